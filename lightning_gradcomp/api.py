@@ -1,0 +1,71 @@
+"""Codecs for plain PyTorch ``DistributedDataParallel`` (and Lightning Fabric), outside the strategy."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gradcomp.codecs.base import Codec
+from lightning_gradcomp.hook import CodecHookState, check_codec_consistency, codec_hook, make_context
+from lightning_gradcomp.strategy import resolve_codec
+
+__all__ = ["make_comm_hook"]
+
+
+def make_comm_hook(
+    codec: str | Codec,
+    model: torch.nn.Module | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    static_graph: bool = False,
+    stats_every: int = 10,
+    nonfinite: str = "zero",
+    **codec_options: Any,
+) -> tuple[CodecHookState, Callable]:
+    """Build ``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
+
+    Args:
+        codec: a registered codec name or a codec object.
+        model: the model (or its DDP wrapper); its parameter names key the codec state, which makes
+            that state checkpointable (``state.memory.state_dict()``, ``state.state_dict()``).
+        process_group: the group to communicate in (default: the default group).
+        static_graph: pass DDP's ``static_graph`` flag; it delays the bucket rebuild by one step.
+        stats_every: sample the relative error every this many steps (``state.stats``).
+        nonfinite: ``"zero"`` (default here) zeroes buckets in which any rank had a NaN/Inf and
+            sets ``state.skip_requested``; call ``state.consume_skip()`` before ``optimizer.step()``
+            to skip the step yourself. ``"skip"`` behaves the same here; the Lightning strategy
+            also skips the optimizer step for you.
+        **codec_options: hyper-parameters of a named codec.
+
+    Must be called on every rank after ``init_process_group`` (it checks that all ranks agree on
+    the codec and its options).
+
+    Example::
+
+        >>> ddp = DistributedDataParallel(model)
+        >>> state, hook = make_comm_hook("topk", ddp, ratio=0.01)
+        >>> ddp.register_comm_hook(state, hook)
+    """
+    codec_obj = resolve_codec(codec, codec_options or None)
+    check_codec_consistency(codec_obj, process_group)
+    names: dict[int, str] = {}
+    device = torch.device("cpu")
+    if model is not None:
+        module = model.module if isinstance(model, DistributedDataParallel) else model
+        names = {id(p): n for n, p in module.named_parameters()}
+        first = next(module.parameters(), None)
+        if first is not None:
+            device = first.device
+    codec_obj.setup(make_context(process_group, device))
+    state = CodecHookState(
+        codec_obj,
+        process_group=process_group,
+        param_names=names,
+        static_graph=static_graph,
+        stats_every=stats_every,
+        nonfinite=nonfinite,
+    )
+    return state, codec_hook

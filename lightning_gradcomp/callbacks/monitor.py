@@ -1,0 +1,49 @@
+"""Logs the hook's per-step compression statistics under ``gradcomp/``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+__all__ = ["CompressionMonitor"]
+
+
+class CompressionMonitor(Callback):
+    """Log what the gradient codec did at each optimizer step.
+
+    ``CompressedDDPStrategy`` attaches one automatically. Logged through the trainer's logger
+    (TensorBoard by default), per rank-0 step:
+
+    - ``gradcomp/compression_ratio``: bytes a plain all-reduce would transmit / bytes transmitted,
+      both under ring algorithms (also in the progress bar as ``ratio``);
+    - ``gradcomp/bytes_sent``: bytes this rank transmitted this step (ring estimate, see
+      :func:`lightning_gradcomp.comm.wire_bytes`); ``payload_bytes``: bytes handed to collectives;
+    - ``gradcomp/rel_error``: ``||x - x_hat|| / ||x||`` of this rank's compressed layers, on steps
+      sampled every ``stats_every``;
+    - ``gradcomp/encode_ms``, ``decode_ms``, ``comm_ms`` (per step, summed over buckets);
+    - ``gradcomp/phase``: 0 while sending uncompressed (warm-up), 1 when compressing;
+    - codec-specific scalars (``theta``, ``explained_variance``, ``ae_loss``, ...).
+
+    Args:
+        prog_bar: show the compression ratio in the progress bar.
+    """
+
+    def __init__(self, prog_bar: bool = True) -> None:
+        self.prog_bar = prog_bar
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        state = getattr(trainer.strategy, "hook_state", None)
+        if state is None:
+            return
+        step = state.stats.pop()
+        if step is None:  # an accumulation micro-batch: nothing was communicated
+            return
+        scalars = {f"gradcomp/{k}": v for k, v in step.as_scalars().items()}
+        scalars["gradcomp/nonfinite_steps"] = float(state.nonfinite_steps)
+        pl_module.log_dict(scalars, on_step=True, on_epoch=False, batch_size=1)
+        if self.prog_bar:
+            pl_module.log("ratio", step.compression_ratio, prog_bar=True, on_step=True, on_epoch=False, logger=False, batch_size=1)

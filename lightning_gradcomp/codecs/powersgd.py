@@ -1,0 +1,186 @@
+"""``powersgd``: PyTorch's own PowerSGD hook and state (Vogels et al., 2019), run by our harness.
+
+This is not a re-implementation: every bucket goes through
+``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.powerSGD_hook`` with a
+``PowerSGDState``. What the wrapper adds is what every codec of the package gets: the non-finite
+check, statistics, checkpointing of the state, and safety on gloo.
+
+Collective: custom. PowerSGD runs three dependent all-reduces per bucket (the uncompressed small
+tensors, then P, then Q); torch's hook starts the later ones *inside* ``.then`` callbacks and waits
+on them there. With gloo those callbacks run on the process group's worker threads, and two
+buckets doing so at once can block every thread (seen as a deadlock with a two-bucket MLP). On
+gloo the wrapper therefore waits for each bucket's chain in the hook body, so at most one such
+callback is in flight; this gives up overlap of PowerSGD's communication with the rest of
+backward. With NCCL the chain is returned as is.
+
+The non-finite flag needs its own tiny all-reduce here (one extra round trip per bucket), because
+torch's hook would otherwise fold a NaN into its error-feedback memory before anyone could know.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+from lightning_gradcomp.codecs.base import Codec, CodecContext, check_positive_int
+from lightning_gradcomp.comm import completed_future, wire_bytes
+from lightning_gradcomp.registry import register_codec
+
+
+@register_codec("powersgd")
+class PowerSGDCodec(Codec):
+    """PowerSGD through ``torch``'s hook.
+
+    Args:
+        rank: ``matrix_approximation_rank`` (default 4, as in our benchmarks' reference run).
+        min_compression_rate: torch's per-tensor threshold (default 2, torch's).
+        warm_start: reuse P and Q from the previous step (torch's default, True).
+        use_error_feedback: torch's error feedback (default True).
+        seed: ``random_seed`` of the shared Q initialization.
+        start_step: steps of plain all-reduce first (default 2, the earliest DDP allows).
+    """
+
+    collective = "custom"
+
+    def __init__(
+        self,
+        rank: int = 4,
+        min_compression_rate: float = 2.0,
+        warm_start: bool = True,
+        use_error_feedback: bool = True,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs.get("error_feedback"):
+            raise ValueError("powersgd keeps torch's own error feedback: use use_error_feedback, not error_feedback")
+        kwargs["min_numel"] = kwargs.get("min_numel", 0)
+        super().__init__(**kwargs)
+        self.rank_r = check_positive_int("rank", rank)
+        if not min_compression_rate > 0:
+            raise ValueError(f"min_compression_rate must be > 0, got {min_compression_rate}")
+        self.min_compression_rate = float(min_compression_rate)
+        self.warm_start = bool(warm_start)
+        self.use_error_feedback = bool(use_error_feedback)
+        self.seed = int(seed)
+        self._torch_state: torch_powersgd.PowerSGDState | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._pending_rank_state: dict[str, Tensor] | None = None
+
+    def setup(self, context: CodecContext) -> None:
+        super().setup(context)
+        self._torch_state = torch_powersgd.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=self.rank_r,
+            start_powerSGD_iter=2,
+            min_compression_rate=self.min_compression_rate,
+            use_error_feedback=self.use_error_feedback,
+            warm_start=self.warm_start,
+            random_seed=self.seed,
+            compression_stats_logging_frequency=2**62,
+        )
+        # our harness already ran the plain all-reduce steps: let torch's hook compress at once
+        self._torch_state.iter = self._torch_state.start_powerSGD_iter
+        if self._pending_state is not None:
+            self.load_state_dict(self._pending_state)
+        if self._pending_rank_state is not None:
+            self.load_rank_state_dict(self._pending_rank_state)
+
+    def __getstate__(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["_torch_state"] = None  # rebuilt in setup(); holds a process group
+        return d
+
+    def payload_elements(self, bucket: Any) -> int:
+        """Elements PowerSGD sends for ``bucket``, by torch's own per-tensor rule."""
+        total = 0
+        for t in bucket.gradients():
+            rows = t.shape[0] if t.dim() > 1 else 1
+            cols = t.numel() // max(rows, 1)
+            r = min(rows, cols, self.rank_r)
+            if t.dim() > 1:
+                ok, _, compressed = torch_powersgd._should_compress(rows, cols, r, self.min_compression_rate)
+            else:
+                ok, compressed = False, 0
+            total += compressed if ok else t.numel()
+        return total
+
+    def communicate_bucket(self, state: Any, bucket: Any, layers: list, flag: float, step: int) -> Any:
+        assert self._torch_state is not None, "PowerSGDCodec.setup() was not called"
+        group = state.process_group
+        buf = bucket.buffer()
+        world = dist.get_world_size(group)
+        t0 = time.perf_counter()
+        flag_t = torch.full((1,), flag, dtype=torch.float32, device=buf.device)
+        dist.all_reduce(flag_t, group=group)
+        if float(flag_t) > 0:
+            return completed_future(state._discard(buf, [], step))
+        sample = step % state.stats_every == 0
+        ref_sq = float(buf.double().pow(2).sum()) if sample else 0.0
+        fut = torch_powersgd.powerSGD_hook(self._torch_state, bucket)
+        if dist.get_backend(group) == "gloo":
+            fut.wait()  # see the module docstring: never two waiting callbacks at once on gloo
+        nbytes = self.payload_elements(bucket) * 4
+        raw = buf.numel() * buf.element_size()
+        state.stats.add(
+            buckets=1,
+            compressed=True,
+            raw_bytes=raw,
+            payload_bytes=nbytes + 4,
+            wire_bytes=wire_bytes("allreduce", nbytes + 4, world),
+            raw_wire_bytes=wire_bytes("allreduce", raw, world),
+            comm_s=time.perf_counter() - t0,
+        )
+
+        def finish(f: torch.futures.Future) -> Tensor:
+            out = f.value()
+            if sample and self.use_error_feedback:
+                err = self._torch_state.error_dict.get(bucket.index())
+                if err is not None:
+                    state.stats.add(err_sq=float(err.double().pow(2).sum()), ref_sq=ref_sq)
+            return out
+
+        return fut.then(finish)
+
+    # torch keeps P, Q (identical on all ranks after their all-reduce) and the error per rank,
+    # all keyed by bucket index, which is stable once DDP has rebuilt its buckets
+    def state_dict(self) -> dict[str, Any]:
+        s = self._torch_state
+        if s is None:
+            return {}
+        return {
+            "iter": int(s.iter),
+            "q": {int(k): v.detach().cpu().clone() for k, v in s.q_memory_dict.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        if self._torch_state is None:
+            self._pending_state = state
+            return
+        self._torch_state.iter = int(state["iter"])
+        device = torch.device("cpu") if self.context is None else self.context.device
+        self._torch_state.q_memory_dict = {int(k): v.to(device) for k, v in state["q"].items()}
+
+    def rank_state_dict(self) -> dict[str, Tensor]:
+        s = self._torch_state
+        if s is None:
+            return {}
+        out = {f"error.{k}": v.detach().cpu().clone() for k, v in s.error_dict.items()}
+        out.update({f"p.{k}": v.detach().cpu().clone() for k, v in s.p_memory_dict.items()})
+        return out
+
+    def load_rank_state_dict(self, state: dict[str, Tensor]) -> None:
+        if self._torch_state is None:
+            self._pending_rank_state = state
+            return
+        device = torch.device("cpu") if self.context is None else self.context.device
+        for name, v in state.items():
+            kind, idx = name.split(".")
+            target = self._torch_state.error_dict if kind == "error" else self._torch_state.p_memory_dict
+            target[int(idx)] = v.to(device)

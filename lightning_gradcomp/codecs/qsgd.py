@@ -1,0 +1,83 @@
+"""``qsgd``: stochastic uniform quantization onto ``levels`` levels per sign (Alistarh et al., 2017).
+
+Each chunk of ``chunk_size`` entries is sent as its L2 norm (fp32) and, per entry, a sign and a
+level ``l`` in ``[0, s]`` drawn so that ``E[norm * sign * l / s] = x`` (unbiased). The signed level
+is stored in ``ceil(log2(2s + 1))`` bits: 4 bits for ``s <= 7``, 8 bits for ``s <= 127``. We do not
+apply QSGD's Elias coding of the levels; the bit count is fixed so every rank's message has the
+same size.
+
+Collective: all-gather. Every rank scales by its own norms, so payloads cannot be summed without
+decoding; a QSGD inside a ring all-reduce would have to re-quantize at every hop, which changes
+the method. Random draws come from a generator seeded by (seed, rank, step, layer), so a resumed
+run draws the same numbers as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.codecs.base import Codec, EncodeResult, check_positive_int
+from lightning_gradcomp.codecs.bits import pack_bits, unpack_bits
+from lightning_gradcomp.registry import register_codec
+
+
+def seeded_generator(seed: int, rank: int, step: int, key: str, device: torch.device) -> torch.Generator:
+    """A generator whose stream depends only on its arguments (reproducible across resumes)."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + rank * 10_007 + step * 101 + zlib.crc32(key.encode())) % (2**63))
+    return g
+
+
+@register_codec("qsgd")
+class QSGDCodec(Codec):
+    """QSGD.
+
+    Args:
+        levels: s, the number of quantization levels per sign, 1..127 (default 7: 4 bits).
+        chunk_size: entries sharing one norm (default 512, the paper's bucket size).
+        seed: seed of the stochastic rounding.
+    """
+
+    collective = "allgather"
+
+    def __init__(self, levels: int = 7, chunk_size: int = 512, seed: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        check_positive_int("levels", levels)
+        if levels > 127:
+            raise ValueError(f"levels must be <= 127 (8-bit signed levels), got {levels}")
+        self.levels = levels
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.seed = int(seed)
+        self.bits = max(1, math.ceil(math.log2(2 * levels + 1)))
+        self.bits = 4 if self.bits <= 4 else 8
+
+    def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
+        n, c = x.numel(), self.chunk_size
+        pad = (-n) % c
+        xc = torch.cat([x, x.new_zeros(pad)]).view(-1, c) if pad else x.view(-1, c)
+        norms = xc.norm(dim=1)
+        scaled = xc.abs() / norms.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1) * self.levels
+        gen = seeded_generator(self.seed, self.rank, step, key, x.device)
+        lower = scaled.floor()
+        level = lower + (torch.rand(scaled.shape, generator=gen, device=x.device) < (scaled - lower)).float()
+        signed = (torch.sign(xc) * level).reshape(-1)[:n].to(torch.int32)
+        codes = pack_bits(signed + self.levels, self.bits)
+        enc = EncodeResult([norms, codes], ctx=None)
+        enc.local = self._dequantize(norms, signed, n)
+        return enc
+
+    def _dequantize(self, norms: Tensor, signed: Tensor, n: int) -> Tensor:
+        c = self.chunk_size
+        pad = (-n) % c
+        s = torch.cat([signed, signed.new_zeros(pad)]) if pad else signed
+        return (s.view(-1, c).float() * (norms.unsqueeze(1) / self.levels)).reshape(-1)[:n]
+
+    def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
+        norms, codes = payload
+        signed = unpack_bits(codes, self.bits, numel) - self.levels
+        return self._dequantize(norms.float(), signed, numel)

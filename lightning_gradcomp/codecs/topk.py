@@ -1,0 +1,59 @@
+"""``topk``: keep the largest-magnitude entries of each layer, with error feedback.
+
+Gradient dropping (Aji & Heafield, 2017) with memory (Stich et al., 2018): each rank sends the
+``ratio`` fraction of its entries with the largest ``|g + e|`` as (value, int32 index) pairs and
+keeps the rest in its residual.
+
+Collective: all-gather. Each rank keeps different positions, so payloads cannot be summed by an
+all-reduce; every rank gathers every rank's k pairs and scatter-adds them. A rank then receives
+``(N - 1) * k`` pairs, so traffic grows with the number of ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.codecs.base import Codec, EncodeResult, check_fraction
+from lightning_gradcomp.registry import register_codec
+
+
+@register_codec("topk")
+class TopKCodec(Codec):
+    """Top-k sparsification.
+
+    Args:
+        ratio: fraction of each layer's entries sent (default 0.01, the common 1% setting).
+        **kwargs: the common codec options; error feedback is on by default.
+    """
+
+    collective = "allgather"
+    default_error_feedback = True
+
+    def __init__(self, ratio: float = 0.01, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.ratio = check_fraction("ratio", ratio)
+
+    def k_for(self, numel: int) -> int:
+        return max(1, min(numel, math.ceil(self.ratio * numel)))
+
+    def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
+        k = self.k_for(x.numel())
+        _, idx = torch.topk(x.abs(), k, sorted=False)
+        values = x[idx]
+        local = torch.zeros_like(x)
+        local[idx] = values
+        return EncodeResult([values, idx.to(torch.int32)], local=local)
+
+    def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
+        out = torch.zeros(numel, dtype=torch.float32, device=payload[0].device)
+        out.index_add_(0, payload[1].long(), payload[0].float())
+        return out
+
+    def aggregate(self, payloads: Sequence[list[Tensor]], ctx: Any, numel: int) -> Tensor:
+        values = torch.cat([p[0] for p in payloads]).float()
+        idx = torch.cat([p[1] for p in payloads]).long()
+        return torch.zeros(numel, dtype=torch.float32, device=values.device).index_add_(0, idx, values)

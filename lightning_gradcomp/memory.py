@@ -1,0 +1,74 @@
+"""Error feedback: what compression dropped is kept per parameter and added to the next step.
+
+With a compressor C, rank i sends C(g_t + e_t) and keeps e_{t+1} = (g_t + e_t) - C(g_t + e_t)
+(Stich et al., 2018; Karimireddy et al., 2019). Nothing is lost, only delayed: the sum of what a
+rank has sent plus its current residual equals the sum of its gradients.
+
+Residuals are keyed by parameter name, not by DDP bucket index, because DDP rebuilds its buckets
+after the first step and the order inside a bucket can change with precision settings. A residual
+becomes current only when the step's collective confirmed that no rank saw a non-finite gradient
+(:meth:`ResidualMemory.commit`), so a NaN never poisons later steps.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import Tensor
+
+__all__ = ["ResidualMemory"]
+
+
+class ResidualMemory:
+    """Per-parameter residuals of one rank."""
+
+    def __init__(self) -> None:
+        self.residuals: dict[str, Tensor] = {}
+        self._pending: dict[str, Tensor] = {}
+        self._lock = threading.Lock()  # decode callbacks of different buckets run on comm threads
+
+    def compensate(self, key: str, x: Tensor) -> Tensor:
+        """Return ``x + e`` for the parameter ``key`` (``x`` itself when there is no residual yet)."""
+        r = self.residuals.get(key)
+        if r is None:
+            return x
+        if r.shape != x.shape or r.device != x.device:
+            raise RuntimeError(
+                f"residual of {key!r} has shape {tuple(r.shape)} on {r.device} but the gradient has "
+                f"{tuple(x.shape)} on {x.device}: the model changed under the codec"
+            )
+        return x + r
+
+    def stage(self, key: str, residual: Tensor) -> None:
+        """Hold the new residual of ``key`` until the step's collective has finished."""
+        with self._lock:
+            self._pending[key] = residual
+
+    def commit(self, keys: list[str]) -> None:
+        with self._lock:
+            for k in keys:
+                r = self._pending.pop(k, None)
+                if r is not None:
+                    self.residuals[k] = r
+
+    def discard(self, keys: list[str]) -> None:
+        with self._lock:
+            for k in keys:
+                self._pending.pop(k, None)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.residuals.clear()
+            self._pending.clear()
+
+    def norm(self) -> float:
+        return float(sum(r.double().pow(2).sum() for r in self.residuals.values()) ** 0.5) if self.residuals else 0.0
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.residuals.items()}
+
+    def load_state_dict(self, state: dict[str, Tensor], device: torch.device | None = None) -> None:
+        self.reset()
+        for k, v in state.items():
+            self.residuals[k] = v.to(device) if device is not None else v.clone()

@@ -1,0 +1,281 @@
+"""``CompressedDDPStrategy``: Lightning's DDP with a gradient codec as the communication hook."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.constants import default_pg_timeout
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_gradcomp.codecs.base import Codec
+from lightning_gradcomp.comm import all_gather_flat, pack, unpack
+from lightning_gradcomp.hook import NONFINITE_POLICIES, CodecHookState, check_codec_consistency, codec_hook, make_context
+from lightning_gradcomp.registry import make_codec
+
+__all__ = ["CompressedDDPStrategy", "resolve_codec"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "gradcomp"
+_CHECKPOINT_VERSION = 1
+
+
+def resolve_codec(codec: str | Codec, codec_options: dict[str, Any] | None = None) -> Codec:
+    """A codec object from a registered name (with options) or a codec object itself."""
+    if isinstance(codec, Codec):
+        if codec_options:
+            raise ValueError("codec_options are only used with a codec name, not with a codec object")
+        return codec
+    if isinstance(codec, str):
+        return make_codec(codec, **(codec_options or {}))
+    raise TypeError(f"codec must be a registered name or a Codec, got {type(codec).__name__}")
+
+
+class CompressedDDPStrategy(DDPStrategy):
+    """Distributed data parallel training with compressed gradient communication.
+
+    A :class:`~lightning.pytorch.strategies.DDPStrategy` whose gradient all-reduce is replaced by a
+    codec, on CPU (gloo) and GPU (nccl) alike: Lightning's own strategy registers communication
+    hooks only on CUDA, this one always does.
+
+    Args:
+        codec: a registered codec name (see :func:`lightning_gradcomp.available_codecs`) or a
+            :class:`~lightning_gradcomp.codecs.base.Codec` object.
+        codec_options: hyper-parameters of the named codec (``make_codec(codec, **codec_options)``).
+        stats_every: sample the relative compression error every this many steps.
+        nonfinite: what happens when any rank's gradient holds a NaN or an Inf: ``"skip"`` the
+            optimizer step on every rank (default), step with the bad buckets ``"zero"``-ed, or
+            ``"raise"`` a ``FloatingPointError`` on every rank.
+        **kwargs: everything else :class:`~lightning.pytorch.strategies.DDPStrategy` takes
+            (``process_group_backend``, ``timeout``, ``start_method``, ...) and the options of
+            :class:`torch.nn.parallel.DistributedDataParallel` (``find_unused_parameters``,
+            ``static_graph``, ``bucket_cap_mb``, ...).
+
+    Raises:
+        ValueError: for an unknown codec name, an invalid codec option, or DDP hook arguments
+            (this strategy owns the hook), before any process starts.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning_gradcomp import CompressedDDPStrategy
+
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=CompressedDDPStrategy(codec="topk"))
+    """
+
+    strategy_name = "compressed_ddp"
+
+    def __init__(
+        self,
+        codec: str | Codec = "none",
+        codec_options: dict[str, Any] | None = None,
+        *,
+        stats_every: int = 10,
+        nonfinite: str = "skip",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: str = "popen",
+        **kwargs: Any,
+    ) -> None:
+        for owned in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
+            if kwargs.get(owned) is not None:
+                raise ValueError(
+                    f"CompressedDDPStrategy registers its own communication hook; {owned!r} is not accepted. "
+                    "Pick a codec instead (codec=...), or use lightning's DDPStrategy for a custom hook."
+                )
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {list(NONFINITE_POLICIES)}, got {nonfinite!r}")
+        if not isinstance(stats_every, int) or stats_every < 1:
+            raise ValueError(f"stats_every must be an integer >= 1, got {stats_every!r}")
+        self.codec = resolve_codec(codec, codec_options)
+        self.stats_every = stats_every
+        self.nonfinite = nonfinite
+        super().__init__(
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,  # type: ignore[arg-type]
+            **kwargs,
+        )
+        self.hook_state: CodecHookState | None = None
+        self._pending_checkpoint: dict[str, Any] | None = None
+
+    # ----------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        # the hook can only count; a callback turns its numbers into logged scalars
+        from lightning_gradcomp.callbacks.monitor import CompressionMonitor
+
+        if not any(isinstance(cb, CompressionMonitor) for cb in trainer.callbacks):
+            trainer.callbacks.append(CompressionMonitor())
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning's DDPStrategy registers hooks only when the device is CUDA; we always do.
+        assert isinstance(self.model, DistributedDataParallel)
+        group = None  # the default (WORLD) group; resolved inside the hook so the state pickles
+        check_codec_consistency(self.codec, group)
+        self.codec.setup(make_context(group, self.root_device))
+        names = {id(p): n for n, p in self.model.module.named_parameters()}
+        previous = self.hook_state
+        state = CodecHookState(
+            self.codec,
+            process_group=group,
+            param_names=names,
+            static_graph=bool(self._ddp_kwargs.get("static_graph", False)),
+            stats_every=self.stats_every,
+            nonfinite=self.nonfinite,
+        )
+        if previous is not None:  # a second fit() in the same process continues where it stopped
+            state.step = previous.step
+            state.memory = previous.memory
+            state.nonfinite_steps = previous.nonfinite_steps
+        if self._pending_checkpoint is not None:
+            self._apply_checkpoint(state, self._pending_checkpoint)
+            self._pending_checkpoint = None
+        if state.step > 0 and getattr(self.codec, "bucket_keyed_state", False):
+            # this DDP wrapper will rebuild its buckets again: bucket-keyed state must wait
+            state.first_compress_step = state.step + state.first_compress_step
+        self.hook_state = state
+        self.model.register_comm_hook(state, codec_hook)
+        log.debug(f"{type(self).__name__}: registered {self.codec!r} on {self.root_device}")
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        state = self.hook_state
+        if state is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # Run forward and backward first, so the hook's verdict on non-finite gradients (which
+        # every rank received in the same collective) is known before the optimizer steps.
+        result: list[Any] = []
+
+        def closure_once() -> Any:
+            if not result:
+                result.append(closure())
+            return result[0]
+
+        closure_once()
+        if state.consume_skip():
+            if self.nonfinite == "raise":
+                raise FloatingPointError(
+                    f"non-finite gradient at optimizer step {state.step - 1} on at least one rank "
+                    "(CompressedDDPStrategy(nonfinite='raise'))"
+                )
+            if self.nonfinite == "skip":
+                rank_zero_warn(f"non-finite gradient at step {state.step - 1}: optimizer step skipped on all ranks")
+                return result[0]
+        return super().optimizer_step(optimizer, closure_once, model, **kwargs)
+
+    # ----------------------------------------------------------------------------------------------
+    # checkpoints: Lightning has no hook for strategy state, so the strategy adds its own key
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.hook_state is not None:
+            checkpoint[CHECKPOINT_KEY] = self.gradcomp_state_dict()  # a collective: runs on every rank
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._pending_checkpoint = checkpoint.get(CHECKPOINT_KEY)
+        return checkpoint
+
+    def gradcomp_state_dict(self) -> dict[str, Any]:
+        """The codec state of every rank: shared state once, per-rank residuals gathered.
+
+        Must be called on every rank (it all-gathers the residuals).
+        """
+        state = self.hook_state
+        assert state is not None
+        local: dict[str, torch.Tensor] = {f"residual.{k}": v for k, v in state.memory.state_dict().items()}
+        local.update({f"codec.{k}": v for k, v in self.codec.rank_state_dict().items()})
+        ranks = _gather_rank_states(local, self.root_device)
+        return {
+            "version": _CHECKPOINT_VERSION,
+            "codec": self.codec.name,
+            "options": self.codec.options(),
+            "world_size": len(ranks),
+            "shared": state.state_dict(),
+            "ranks": ranks,
+        }
+
+    def _apply_checkpoint(self, state: CodecHookState, saved: dict[str, Any]) -> None:
+        if saved.get("codec") != self.codec.name:
+            rank_zero_warn(
+                f"the checkpoint's gradient codec was {saved.get('codec')!r}, this run uses {self.codec.name!r}: "
+                "the codec starts fresh (no residuals, no learned state)"
+            )
+            return
+        state.load_state_dict(saved["shared"])
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if saved["world_size"] != world:
+            rank_zero_warn(
+                f"the checkpoint was written by {saved['world_size']} ranks and this run has {world}: "
+                "per-rank residuals cannot be mapped to the new ranks and start from zero; shared codec "
+                "state (bases, learned weights, schedules, step) is restored"
+            )
+            return
+        mine = saved["ranks"][dist.get_rank() if dist.is_initialized() else 0]
+        residuals = {k[len("residual.") :]: v for k, v in mine.items() if k.startswith("residual.")}
+        state.memory.load_state_dict(residuals, device=self.root_device)
+        self.codec.load_rank_state_dict({k[len("codec.") :]: v for k, v in mine.items() if k.startswith("codec.")})
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "compressed_ddp", cls, description="DDP with gradient compression (CompressedDDPStrategy)"
+        )
+        strategy_registry.register(
+            "compressed_ddp_spawn",
+            cls,
+            description="DDP with gradient compression, processes started with spawn",
+            start_method="spawn",
+        )
+        from lightning_gradcomp.registry import available_codecs
+
+        for name in available_codecs():  # Trainer(strategy="compressed_ddp_topk") and the like
+            strategy_registry.register(
+                f"compressed_ddp_{name}", cls, description=f"DDP with the {name!r} gradient codec", codec=name
+            )
+
+
+def _gather_rank_states(local: dict[str, torch.Tensor], device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """All-gather each rank's tensors (same names, shapes and dtypes on every rank) without pickle."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [{k: v.detach().cpu().clone() for k, v in local.items()}]
+    names = sorted(local)
+    signature = repr([(n, tuple(local[n].shape), str(local[n].dtype)) for n in names]).encode()
+    digest = int.from_bytes(hashlib.sha256(signature).digest()[:8], "little") >> 2
+    comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    world = dist.get_world_size()
+    mine = torch.tensor([digest], dtype=torch.int64, device=comm_device)
+    digests = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(digests, mine)
+    if len({int(d) for d in digests}) != 1:
+        raise RuntimeError(
+            "ranks hold different sets of codec state tensors, so the checkpoint would be inconsistent; "
+            "this points to ranks that compressed different layers"
+        )
+    packed, layout = pack([local[n].to(comm_device) for n in names], comm_device)
+    out = torch.empty(world * packed.numel(), dtype=torch.uint8, device=comm_device)
+    all_gather_flat(out, packed)
+    rows = out.view(world, -1).cpu()
+    result = []
+    for r in range(world):
+        tensors = unpack(rows[r].clone(), layout)
+        result.append({n: t.clone() for n, t in zip(names, tensors)})
+    return result
+
+
+if "compressed_ddp" not in StrategyRegistry:
+    CompressedDDPStrategy.register_strategies(StrategyRegistry)
