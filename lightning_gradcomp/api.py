@@ -23,6 +23,7 @@ def make_comm_hook(
     static_graph: bool = False,
     stats_every: int = 10,
     nonfinite: str = "zero",
+    fallback: bool | None = None,
     **codec_options: Any,
 ) -> tuple[CodecHookState, Callable]:
     """Build ``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
@@ -38,6 +39,8 @@ def make_comm_hook(
             sets ``state.skip_requested``; call ``state.consume_skip()`` before ``optimizer.step()``
             to skip the step yourself. ``"skip"`` behaves the same here; the Lightning strategy
             also skips the optimizer step for you.
+        fallback: send a bucket plainly when compressing it costs more than it saves (timed over
+            the first compressed steps; see :mod:`lightning_gradcomp.fallback`).
         **codec_options: hyper-parameters of a named codec.
 
     Must be called on every rank after ``init_process_group`` (it checks that all ranks agree on
@@ -67,5 +70,6 @@ def make_comm_hook(
         static_graph=static_graph,
         stats_every=stats_every,
         nonfinite=nonfinite,
+        fallback=fallback,
     )
     return state, codec_hook

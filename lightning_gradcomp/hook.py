@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gradcomp.codecs.base import Codec, CodecContext, EncodeResult
+from lightning_gradcomp.fallback import FallbackPolicy
 from lightning_gradcomp.comm import allgather_async, allreduce_async, pack, unpack, wire_bytes
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.stats import StatsAccumulator
@@ -52,6 +53,8 @@ class CodecHookState:
         static_graph: DDP's ``static_graph`` flag; it delays the bucket rebuild by one step.
         stats_every: sample the relative error every this many steps (it costs a local decode).
         nonfinite: what to do when any rank's gradient holds a NaN or Inf, see the module docstring.
+        fallback: time each bucket plain and compressed for a few steps and send it plain for the
+            rest of the run when compressing it costs more (see :mod:`lightning_gradcomp.fallback`).
     """
 
     __slots__ = (
@@ -62,6 +65,7 @@ class CodecHookState:
         "first_compress_step",
         "stats_every",
         "nonfinite",
+        "fallback",
         # internal state
         "step",
         "memory",
@@ -81,6 +85,7 @@ class CodecHookState:
         static_graph: bool = False,
         stats_every: int = 10,
         nonfinite: str = "skip",
+        fallback: bool | None = None,
     ) -> None:
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {list(NONFINITE_POLICIES)}, got {nonfinite!r}")
@@ -93,6 +98,7 @@ class CodecHookState:
         self.first_compress_step = 3 if static_graph else 2
         self.stats_every = int(stats_every)
         self.nonfinite = nonfinite
+        self.fallback = FallbackPolicy(enabled=fallback)
         self.step = 0
         self.memory = ResidualMemory()
         self.stats = StatsAccumulator()
@@ -130,12 +136,18 @@ class CodecHookState:
 
     def state_dict(self) -> dict[str, Any]:
         """State identical on every rank (the codec's and the step counter)."""
-        return {"step": self.step, "nonfinite_steps": self.nonfinite_steps, "codec": self.codec.state_dict()}
+        return {
+            "step": self.step,
+            "nonfinite_steps": self.nonfinite_steps,
+            "codec": self.codec.state_dict(),
+            "fallback": self.fallback.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
         self.codec.load_state_dict(state["codec"])
+        self.fallback.load_state_dict(state.get("fallback", {}))
         self._step_end_pending = False
 
     def consume_skip(self) -> bool:
@@ -158,18 +170,28 @@ class CodecHookState:
             # work (refitting a basis, training an autoencoder) may run collectives here safely
             self._step_end_pending = False
             self.codec.on_step_end(self.step - 1)
+            fell_back = self.fallback.maybe_decide(self.process_group, _group_device(self.process_group))
+            if fell_back is not None:
+                self.stats.set_extra(fallback_buckets=len(fell_back))
+            self.fallback.start_step()
+        body_start = time.perf_counter()
         step = self.step
         buf = bucket.buffer()
         world = self.world_size
         # one cheap pass: the sum is finite iff every element is (barring fp32 overflow of the sum)
         flag = 0.0 if bool(torch.isfinite(buf.sum(dtype=torch.float32))) else 1.0
-        layers = list(zip([self.key_of(p) for p in bucket.parameters()], bucket.gradients(), bucket.parameters()))
-        if not self.compressing(step):
+        keys = [self.key_of(p) for p in bucket.parameters()]
+        layers = list(zip(keys, bucket.gradients(), bucket.parameters()))
+        bucket_key = f"{keys[0]}..{keys[-1]}[{len(keys)}]" if keys else "empty"
+        compress = self.compressing(step) and not self.fallback.falls_back(bucket_key)
+        if not compress:
             fut = self._dense(buf, layers, flag, world, step)
         elif self.codec.collective == "custom":
             fut = self.codec.communicate_bucket(self, bucket, layers, flag, step)
         else:
             fut = self._compressed(buf, layers, flag, world, step)
+        if self.fallback.wants_timing():
+            fut = self.fallback.track(fut, bucket_key, compress, body_start)
         if bucket.is_last():
             self.step += 1
             self._step_end_pending = True

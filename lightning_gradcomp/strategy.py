@@ -55,6 +55,10 @@ class CompressedDDPStrategy(DDPStrategy):
         nonfinite: what happens when any rank's gradient holds a NaN or an Inf: ``"skip"`` the
             optimizer step on every rank (default), step with the bad buckets ``"zero"``-ed, or
             ``"raise"`` a ``FloatingPointError`` on every rank.
+        fallback: time each bucket sent plain and compressed over the first compressed steps, and
+            send plainly the buckets for which compression costs more than it saves (decided
+            together by all ranks, logged as ``gradcomp/fallback_buckets``). ``False`` always
+            compresses; ``None`` (default) is on unless ``LIGHTNING_GRADCOMP_FALLBACK=0``.
         **kwargs: everything else :class:`~lightning.pytorch.strategies.DDPStrategy` takes
             (``process_group_backend``, ``timeout``, ``start_method``, ...) and the options of
             :class:`torch.nn.parallel.DistributedDataParallel` (``find_unused_parameters``,
@@ -81,6 +85,7 @@ class CompressedDDPStrategy(DDPStrategy):
         *,
         stats_every: int = 10,
         nonfinite: str = "skip",
+        fallback: bool | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
@@ -99,6 +104,7 @@ class CompressedDDPStrategy(DDPStrategy):
         self.codec = resolve_codec(codec, codec_options)
         self.stats_every = stats_every
         self.nonfinite = nonfinite
+        self.fallback = fallback
         super().__init__(
             process_group_backend=process_group_backend,
             timeout=timeout,
@@ -134,6 +140,7 @@ class CompressedDDPStrategy(DDPStrategy):
             static_graph=bool(self._ddp_kwargs.get("static_graph", False)),
             stats_every=self.stats_every,
             nonfinite=self.nonfinite,
+            fallback=self.fallback,
         )
         if previous is not None:  # a second fit() in the same process continues where it stopped
             state.step = previous.step

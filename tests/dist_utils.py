@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import queue as queue_mod
 import time
@@ -27,7 +28,10 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: 
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
+        # tensors would travel as shared-memory handles that die with this process: send bytes
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # report the traceback to the parent instead of hanging it
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -63,7 +67,7 @@ def run_gloo(fn: Callable, world_size: int = 2, args: tuple = (), timeout: float
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
             else:
-                results[rank] = value
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 30)

@@ -1,0 +1,147 @@
+"""Stepping aside when compression does not pay: per-bucket fallback to plain all-reduce.
+
+On a fast link, encoding and decoding can cost more than the bytes they save. The hook times each
+bucket on its last uncompressed step and on its first ``probe_steps`` compressed steps:
+
+- the *dense cost* of a bucket is the time the link spent on its plain all-reduce;
+- the *compressed cost* is the time the hook body took for it (encoding, and any blocking rounds)
+  plus the time the link spent on its compressed collective plus decoding.
+
+"Time the link spent" is the completion time of the bucket's collective minus the later of its
+launch and the previous bucket's completion: collectives of one process group run in order, so
+this removes the time a bucket waited behind earlier ones.
+
+After the probe steps every rank contributes its costs to one all-reduce (so all ranks see the
+same averages and take the same decision), and a bucket falls back to plain all-reduce for the
+rest of the run when its compressed cost exceeds its dense cost by more than ``margin`` (relative)
+and ``min_gain_ms`` (absolute). A bucket that falls back sends its residual with its next
+gradient, so nothing compression had deferred is lost. The decision is logged and counted in
+``gradcomp/fallback_buckets``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["FallbackPolicy", "default_enabled"]
+
+#: set to "0" to make ``fallback=None`` mean off (test suites that check codecs on tiny models)
+ENV_VAR = "LIGHTNING_GRADCOMP_FALLBACK"
+
+
+def default_enabled() -> bool:
+    """What ``fallback=None`` means: on, unless the environment variable says ``0``/``off``."""
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "off", "false", "no")
+
+log = logging.getLogger(__name__)
+
+
+class FallbackPolicy:
+    """Per-bucket timing and the one-off decision to stop compressing a bucket.
+
+    Args:
+        enabled: ``False`` never falls back; ``None`` follows ``LIGHTNING_GRADCOMP_FALLBACK`` (on by default).
+        probe_steps: compressed steps timed before deciding.
+        margin: fall back when compressed cost > (1 + margin) * dense cost ...
+        min_gain_ms: ... and the difference exceeds this many milliseconds (tiny buckets whose
+            costs differ by noise keep their codec).
+    """
+
+    def __init__(self, enabled: bool | None = None, probe_steps: int = 3, margin: float = 0.1, min_gain_ms: float = 2.0):
+        if probe_steps < 1:
+            raise ValueError(f"probe_steps must be >= 1, got {probe_steps}")
+        if margin < 0 or min_gain_ms < 0:
+            raise ValueError("margin and min_gain_ms must be >= 0")
+        self.enabled = default_enabled() if enabled is None else bool(enabled)
+        self.probe_steps = int(probe_steps)
+        self.margin = float(margin)
+        self.min_gain_ms = float(min_gain_ms)
+        self.dense_cost: dict[str, float] = {}
+        self.comp_costs: dict[str, list[float]] = {}
+        self.fallback: set[str] = set()
+        self.decided = False
+        self.decisions: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+        self._prev_done = 0.0
+
+    def __getstate__(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d.pop("_lock")
+        return d
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+        self._lock = threading.Lock()
+
+    def falls_back(self, bucket_key: str) -> bool:
+        return bucket_key in self.fallback
+
+    def wants_timing(self) -> bool:
+        return self.enabled and not self.decided
+
+    def start_step(self) -> None:
+        with self._lock:
+            self._prev_done = 0.0
+
+    def track(self, fut: torch.futures.Future, bucket_key: str, compressed: bool, body_start: float) -> torch.futures.Future:
+        """Chain a timing callback onto a bucket's future; the future's value is unchanged."""
+        body_end = time.perf_counter()
+
+        def record(f: torch.futures.Future) -> torch.Tensor:
+            done = time.perf_counter()
+            with self._lock:
+                link = done - max(body_end, self._prev_done)
+                self._prev_done = max(self._prev_done, done)
+                if compressed:
+                    self.comp_costs.setdefault(bucket_key, []).append((body_end - body_start) + link)
+                else:
+                    self.dense_cost[bucket_key] = link
+            return f.value()
+
+        return fut.then(record)
+
+    def maybe_decide(self, process_group: dist.ProcessGroup | None, device: torch.device) -> list[str] | None:
+        """Decide once every timed bucket has ``probe_steps`` compressed samples. A collective: the
+        hook calls it at the same point on every rank. Returns the keys that fall back, if decided."""
+        if not self.wants_timing():
+            return None
+        keys = sorted(k for k in self.comp_costs if k in self.dense_cost)
+        if not keys or any(len(self.comp_costs[k]) < self.probe_steps for k in keys):
+            return None
+        # the first compressed step pays one-off allocations: use the median of the rest
+        comp = [statistics.median(self.comp_costs[k][1:] or self.comp_costs[k]) for k in keys]
+        dense = [self.dense_cost[k] for k in keys]
+        costs = torch.tensor(comp + dense + [float(len(keys))], dtype=torch.float64, device=device)
+        if dist.is_initialized() and dist.get_world_size(process_group) > 1:
+            dist.all_reduce(costs, group=process_group)
+            world = dist.get_world_size(process_group)
+            if int(round(float(costs[-1]) / world)) != len(keys):
+                raise RuntimeError("ranks timed different bucket layouts; cannot agree on a fallback decision")
+            costs = costs / world
+        n = len(keys)
+        for i, k in enumerate(keys):
+            c, d = float(costs[i]), float(costs[n + i])
+            self.decisions[k] = (c, d)
+            if c > (1 + self.margin) * d and (c - d) * 1e3 > self.min_gain_ms:
+                self.fallback.add(k)
+        self.decided = True
+        for k in keys:
+            c, d = self.decisions[k]
+            verdict = "plain all-reduce" if k in self.fallback else "compressed"
+            log.info("gradcomp fallback: bucket %s compressed %.1f ms vs plain %.1f ms -> %s", k, 1e3 * c, 1e3 * d, verdict)
+        return sorted(self.fallback)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decided": self.decided, "fallback": sorted(self.fallback)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.decided = bool(state.get("decided", False))
+        self.fallback = set(state.get("fallback", []))

@@ -1,0 +1,113 @@
+"""Exact properties of the baseline codecs and the shared packing helpers (single process)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_gradcomp import CodecContext, make_codec
+from lightning_gradcomp.codecs.bits import pack_bits, packed_nbytes, unpack_bits
+from lightning_gradcomp.comm import pack, unpack, wire_bytes
+
+
+def setup_codec(name, world=1, rank=0, **options):
+    codec = make_codec(name, **options)
+    codec.setup(CodecContext(rank, world, torch.device("cpu")))
+    return codec
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.integers(1, 16), n=st.integers(0, 300), seed=st.integers(0, 2**16))
+def test_bit_packing_round_trips(bits, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (n,), generator=g, dtype=torch.int32)
+    packed = pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == packed_nbytes(n, bits)
+    assert torch.equal(unpack_bits(packed, bits, n), codes)
+
+
+def test_pack_unpack_keeps_dtypes_and_shapes():
+    parts = [torch.randn(3, 5), torch.arange(7, dtype=torch.int32), torch.tensor([1, 2], dtype=torch.uint8),
+             torch.randn(4).half(), torch.zeros(0)]
+    buf, layout = pack(parts, torch.device("cpu"))
+    assert buf.numel() % 8 == 0 and layout.payload_bytes == sum(p.numel() * p.element_size() for p in parts)
+    for a, b in zip(parts, unpack(buf, layout)):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_wire_bytes_follow_the_ring_algorithms():
+    assert wire_bytes("allreduce", 1000, 2) == 1000
+    assert wire_bytes("allreduce", 1000, 4) == 1500
+    assert wire_bytes("allgather", 1000, 4) == 3000
+    assert wire_bytes("broadcast", 1000, 8) == 1000
+
+
+def test_topk_keeps_exactly_the_largest_entries():
+    codec = setup_codec("topk", ratio=0.1)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    enc = codec.encode(x, "w", x, step=5)
+    values, idx = enc.payload
+    assert values.numel() == idx.numel() == 100
+    threshold = x.abs().kthvalue(900).values
+    assert set(idx.tolist()) == set(torch.nonzero(x.abs() > threshold).flatten().tolist())
+    assert torch.equal(enc.local[idx.long()], x[idx.long()])
+    assert torch.count_nonzero(enc.local) == 100
+    # aggregate of several ranks' payloads is the sum of their decodes
+    y = torch.randn(1000)
+    enc_y = codec.encode(y, "w", y, step=5)
+    total = codec.aggregate([enc.payload, enc_y.payload], None, 1000)
+    assert torch.allclose(total, codec.decode(enc.payload, None, 1000, 1) + codec.decode(enc_y.payload, None, 1000, 1))
+
+
+def test_fp16_error_is_within_half_precision():
+    codec = setup_codec("fp16", world=4)
+    x = torch.randn(10_000) * 10
+    enc = codec.encode(x, "w", x, 3)
+    assert enc.payload[0].dtype == torch.float16
+    rel = (enc.local - x).abs() / x.abs().clamp_min(1e-3)
+    assert float(rel.max()) <= 2**-11 + 1e-6
+    # what travels is divided by the world size, so a sum over 4 ranks cannot overflow
+    assert torch.allclose(codec.decode([enc.payload[0] * 4], None, x.numel(), 4), 4 * x, rtol=2e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("levels, bits", [(1, 4), (7, 4), (8, 8), (127, 8)])
+def test_qsgd_is_unbiased_and_bounded(levels, bits):
+    codec = setup_codec("qsgd", levels=levels, chunk_size=64)
+    assert codec.bits == bits
+    x = torch.randn(256, generator=torch.Generator().manual_seed(1))
+    draws = torch.stack([codec.encode(x, "w", x, step).local for step in range(3000)])
+    mean = draws.mean(0)
+    assert torch.allclose(mean, x, atol=0.15 if levels == 1 else 0.05)
+    enc = codec.encode(x, "w", x, 0)
+    norms, codes = enc.payload
+    assert codes.numel() == packed_nbytes(256, bits)
+    decoded = codec.decode(enc.payload, None, 256, 1)
+    assert torch.equal(decoded, enc.local)
+    # each entry is a multiple of norm/levels, at most the chunk norm in magnitude
+    chunk_norm = norms.repeat_interleave(64)
+    assert torch.all(decoded.abs() <= chunk_norm + 1e-6)
+
+
+def test_qsgd_draws_are_reproducible_per_step_rank_and_layer():
+    a, b = setup_codec("qsgd", rank=0), setup_codec("qsgd", rank=1)
+    x = torch.randn(5000)
+    assert torch.equal(a.encode(x, "w", x, 7).payload[1], a.encode(x, "w", x, 7).payload[1])
+    assert not torch.equal(a.encode(x, "w", x, 7).payload[1], b.encode(x, "w", x, 7).payload[1])
+    assert not torch.equal(a.encode(x, "w", x, 7).payload[1], a.encode(x, "w", x, 8).payload[1])
+
+
+def test_terngrad_is_ternary_and_unbiased_for_the_clipped_gradient():
+    codec = setup_codec("terngrad", clip=2.5)
+    x = torch.randn(512, generator=torch.Generator().manual_seed(2))
+    bound = 2.5 * x.std()
+    clipped = x.clamp(-bound, bound)
+    enc = codec.encode(x, "w", x, 0)
+    scale = float(enc.payload[0])
+    assert math.isclose(scale, float(clipped.abs().max()), rel_tol=1e-6)
+    assert set(torch.unique(enc.local / scale).tolist()) <= {-1.0, 0.0, 1.0}
+    assert enc.payload[1].numel() == packed_nbytes(512, 2)  # 2 bits a value
+    assert torch.equal(codec.decode(enc.payload, None, 512, 1), enc.local)
+    mean = torch.stack([codec.encode(x, "w", x, s).local for s in range(3000)]).mean(0)
+    assert torch.allclose(mean, clipped, atol=0.12)

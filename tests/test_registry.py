@@ -1,0 +1,90 @@
+"""Names, factories and fail-fast validation: everything here runs before any process starts."""
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_gradcomp as gc
+from lightning_gradcomp import CompressedDDPStrategy, available_codecs, make_codec
+
+BASELINES = ["none", "fp16", "topk", "qsgd", "terngrad", "powersgd"]
+
+
+def test_baselines_are_registered():
+    assert set(BASELINES) <= set(available_codecs())
+    for name in BASELINES:
+        assert make_codec(name).name == name
+
+
+def test_unknown_codec_names_the_valid_choices():
+    with pytest.raises(ValueError, match="unknown codec 'zip'.*topk"):
+        make_codec("zip")
+    with pytest.raises(ValueError, match="unknown codec"):
+        CompressedDDPStrategy(codec="zip")
+
+
+@pytest.mark.parametrize(
+    "name, options, match",
+    [
+        ("topk", {"ratio": -0.1}, "ratio must be in"),
+        ("topk", {"ratio": 1.5}, "ratio must be in"),
+        ("qsgd", {"levels": 0}, "levels"),
+        ("qsgd", {"levels": 300}, "levels must be <= 127"),
+        ("terngrad", {"clip": -1.0}, "clip"),
+        ("powersgd", {"rank": 0}, "rank"),
+        ("topk", {"min_numel": -5}, "min_numel"),
+        ("topk", {"not_an_option": 1}, "Valid options: .*ratio"),
+        ("none", {"error_feedback": True}, "drops nothing"),
+    ],
+)
+def test_invalid_options_fail_fast(name, options, match):
+    with pytest.raises(ValueError, match=match):
+        make_codec(name, **options)
+    with pytest.raises(ValueError, match=match):
+        CompressedDDPStrategy(codec=name, codec_options=options)
+
+
+def test_strategy_rejects_foreign_hooks_and_bad_policies():
+    with pytest.raises(ValueError, match="registers its own communication hook"):
+        CompressedDDPStrategy(codec="topk", ddp_comm_hook=lambda s, b: None)
+    with pytest.raises(ValueError, match="nonfinite must be one of"):
+        CompressedDDPStrategy(codec="topk", nonfinite="ignore")
+    with pytest.raises(ValueError, match="codec_options are only used with a codec name"):
+        CompressedDDPStrategy(codec=make_codec("topk"), codec_options={"ratio": 0.1})
+
+
+def test_ddp_options_pass_through():
+    s = CompressedDDPStrategy(codec="fp16", find_unused_parameters=True, static_graph=False, bucket_cap_mb=5)
+    assert s._ddp_kwargs == {"find_unused_parameters": True, "static_graph": False, "bucket_cap_mb": 5}
+    assert s.codec.name == "fp16"
+
+
+def test_strategy_names_in_lightning_registry():
+    assert "compressed_ddp" in StrategyRegistry
+    assert StrategyRegistry["compressed_ddp_spawn"]["init_params"] == {"start_method": "spawn"}
+    for name in available_codecs():
+        assert StrategyRegistry[f"compressed_ddp_{name}"]["init_params"] == {"codec": name}
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="compressed_ddp_topk", logger=False)
+    assert isinstance(trainer.strategy, CompressedDDPStrategy)
+    assert trainer.strategy.codec.name == "topk"
+
+
+def test_codec_options_are_part_of_the_config_digest():
+    assert make_codec("topk", ratio=0.01).config_hash() == make_codec("topk", ratio=0.01).config_hash()
+    assert make_codec("topk", ratio=0.01).config_hash() != make_codec("topk", ratio=0.02).config_hash()
+    assert make_codec("topk").config_hash() != make_codec("qsgd").config_hash()
+
+
+def test_user_codecs_can_be_registered():
+    @gc.register_codec("my_identity")
+    class Identity(gc.Codec):
+        collective = "allreduce"
+
+        def encode(self, x, key, param, step):
+            return gc.EncodeResult([x.clone()], local=x)
+
+        def decode(self, payload, ctx, numel, count):
+            return payload[0]
+
+    assert "my_identity" in available_codecs()
+    assert isinstance(make_codec("my_identity"), Identity)
