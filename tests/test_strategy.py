@@ -1,0 +1,123 @@
+"""CompressedDDPStrategy in real 2-process Lightning runs on CPU (gloo), and the fallback policy."""
+
+import json
+import os
+import time
+
+import lightning.pytorch as pl
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import lightning_gradcomp as gc
+from dist_utils import run_gloo
+from lightning_gradcomp import CompressedDDPStrategy, make_comm_hook
+
+
+class TinyClassifier(pl.LightningModule):
+    def __init__(self, out_dir: str = "") -> None:
+        super().__init__()
+        self.out_dir = out_dir
+        self.net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(1024, 32, generator=g)
+        y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
+
+    def on_train_end(self) -> None:
+        ddp = self.trainer.strategy.model
+        facts = {
+            "comm_hook": ddp._get_ddp_logging_data().get("comm_hook"),
+            "backend": torch.distributed.get_backend(),
+            "steps": self.trainer.strategy.hook_state.step,
+            "weights": [float(p.detach().double().sum()) for p in self.parameters()],
+        }
+        with open(os.path.join(self.out_dir, f"rank{self.global_rank}.json"), "w") as f:
+            json.dump(facts, f)
+
+
+def test_codec_runs_on_cpu_and_checkpoint_holds_every_rank(tmp_path):
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=CompressedDDPStrategy(codec="topk", codec_options={"ratio": 0.05}, start_method="spawn"),
+        max_steps=10,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
+    )
+    trainer.fit(TinyClassifier(str(tmp_path)))
+    facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for f in facts:
+        assert f["comm_hook"] == "codec_hook"  # registered on CPU, unlike lightning's DDPStrategy
+        assert f["backend"] == "gloo"
+        assert f["steps"] == 10
+    assert facts[0]["weights"] == facts[1]["weights"]
+    m = trainer.callback_metrics
+    assert float(m["gradcomp/phase"]) == 1.0
+    assert float(m["gradcomp/compression_ratio"]) > 5
+    assert float(m["gradcomp/bytes_sent"]) < float(m["gradcomp/raw_bytes"])
+    # the checkpoint holds both ranks' residuals and loads without unpickling arbitrary objects
+    ckpt = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    saved = ckpt["gradcomp"]
+    assert saved["codec"] == "topk" and saved["world_size"] == 2 and saved["shared"]["step"] == 10
+    r0, r1 = saved["ranks"]
+    assert set(r0) == set(r1) and any(k.startswith("residual.") for k in r0)
+    assert any(not torch.equal(r0[k], r1[k]) for k in r0)  # residuals differ per rank
+
+
+class SlowIdentity(gc.Codec):
+    """A lossless codec that costs 40 ms a layer: compression can never pay for it."""
+
+    collective = "allreduce"
+
+    def encode(self, x, key, param, step):
+        time.sleep(0.04)
+        return gc.EncodeResult([x.clone()], local=x)
+
+    def decode(self, payload, ctx, numel, count):
+        return payload[0]
+
+
+def fallback_worker(rank: int, world: int, enabled: bool):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    ddp = DDP(model)
+    state, hook = make_comm_hook(SlowIdentity(), ddp, fallback=enabled)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    phases = []
+    for _ in range(8):
+        x = torch.randn(16, 64)
+        opt.zero_grad()
+        ddp(x).square().mean().backward()
+        opt.step()
+        phases.append(state.stats.pop().compressed)
+    return phases, sorted(state.fallback.fallback), state.fallback.decisions
+
+
+def test_fallback_sends_plainly_when_the_codec_costs_more():
+    r0, r1 = run_gloo(fallback_worker, 2, (True,))
+    phases, fallback, decisions = r0
+    assert fallback and fallback == r1[1]  # every rank took the same decision
+    assert phases[:2] == [False, False] and all(phases[2:5])  # plain, then 3 probe steps compressed
+    assert not any(phases[5:])  # then plain for good
+    assert all(c > d for c, d in decisions.values())
+
+
+def test_fallback_off_always_compresses():
+    phases, fallback, _ = run_gloo(fallback_worker, 2, (False,))[0]
+    assert fallback == [] and all(phases[2:])
