@@ -88,3 +88,20 @@ def test_user_codecs_can_be_registered():
 
     assert "my_identity" in available_codecs()
     assert isinstance(make_codec("my_identity"), Identity)
+
+
+def test_the_adding_a_codec_example_in_the_docs_works():
+    import re
+    from pathlib import Path
+
+    import torch
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    code = re.search(r"## Adding a codec\n\n```python\n(.*?)```", text, re.S).group(1)
+    exec(compile(code, "design.md", "exec"), {})
+    codec = make_codec("sign")
+    codec.setup(gc.CodecContext(0, 1, torch.device("cpu")))
+    x = torch.randn(100)
+    enc = codec.encode(x, "w", x, 3)
+    assert torch.equal(codec.decode(enc.payload, None, 100, 1), enc.local)
+    assert torch.equal(enc.local.sign(), x.sign())
