@@ -79,6 +79,8 @@ def test_importance_formula_and_zero_weights():
     assert torch.allclose(importance(a, w, 1e-3), expected)
     assert torch.isfinite(importance(a, torch.zeros(4), 1e-6)).all()  # all-zero layer: eps_l = eps
     assert int(importance(a, w, 1e-6).argmax()) == 2  # w = 0 ranks first
+    for dtype in (torch.float16, torch.bfloat16):  # half-precision parameters are read in fp32
+        assert torch.allclose(importance(a, w.to(dtype), 1e-3), expected)
 
 
 def test_sampled_selection_equals_exact_topk():

@@ -96,7 +96,10 @@ def importance(a: Tensor, w: Tensor, eps: float, out: Tensor | None = None) -> T
     scale = float(w[:: max(1, -(-n // _SCALE_SAMPLE))].abs().float().mean()) if n else 0.0
     eps_l = eps * scale if scale > 0 and math.isfinite(scale) else eps
     out = torch.empty_like(a) if out is None else out
-    torch.abs(w, out=out)
+    if w.dtype == out.dtype:
+        torch.abs(w, out=out)
+    else:  # fp16/bf16 parameters: upcast while copying
+        out.copy_(w).abs_()
     out.add_(eps_l)
     torch.div(a, out, out=out)
     return out.abs_()
