@@ -1,0 +1,369 @@
+"""``iwp``: importance-weighted pruning on ring all-reduce (Cheng & Xu, arXiv 1901.01544).
+
+Each compressed step, on every rank ``i`` and for every compressed layer:
+
+1. ``a_i = g_i + e_i`` (gradient plus error-feedback residual, done by the hook);
+2. one *root* rank, the same on every rank and derived from ``(seed, step)`` without any
+   communication, scores its entries by importance ``s = |a| / (|w| + eps_l)`` and picks the
+   ``k = ceil(keep_fraction * n)`` most important positions of the bucket (or of each layer);
+3. the root broadcasts those positions, compactly encoded (:func:`encode_positions`);
+4. every rank all-reduces its own values ``a_i[I]``: a dense vector of length ``k``, so the sum of
+   payloads is the payload of the sum and a ring all-reduce applies unchanged;
+5. decode scatters ``sum_i a_i[I] / N`` to ``I``, zero elsewhere; each rank keeps everything it did
+   not send, ``e_i <- a_i`` with ``a_i[I] = 0``.
+
+Positions travel as Elias-Fano code (``"delta"``: the low ``l`` bits of each position verbatim, the
+high part as unary-coded gaps) or as a bitmap of ``n`` bits, whichever is smaller. Both sizes
+depend on ``k`` and ``n`` only, so every rank knows the broadcast's size without a header.
+
+The broadcast is a blocking collective in :meth:`IWPCodec.prepare_bucket` (the hook body), never in
+a ``.then`` callback. It runs in the default process group.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_gradcomp.codecs.base import Codec, CodecContext, EncodeResult, check_choice, check_fraction
+from lightning_gradcomp.registry import register_codec
+
+__all__ = [
+    "IWPCodec",
+    "importance",
+    "select_top",
+    "root_rank",
+    "choose_encoding",
+    "encoded_nbytes",
+    "encode_positions",
+    "decode_positions",
+]
+
+ENCODINGS = ("auto", "delta", "bitmap")
+ROOTS = ("random", "round_robin")
+SCOPES = ("bucket", "layer")
+
+_MASK64 = (1 << 64) - 1
+_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_SCALE_SAMPLE = 4096  # weights read to estimate a layer's mean |w|
+
+
+# --------------------------------------------------------------------------------------------------
+# root choice
+def _splitmix64(x: int) -> int:
+    """SplitMix64 finaliser: a fixed, well-mixed hash of a 64-bit integer (same on every platform)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def root_rank(step: int, world_size: int, mode: str = "random", seed: int = 0) -> int:
+    """The rank that selects positions at ``step``: ``step mod N`` or ``splitmix64(seed, step) mod N``.
+
+    A pure function of its arguments, so every rank computes the same root without communicating.
+    """
+    if world_size <= 1:
+        return 0
+    if mode == "round_robin":
+        return step % world_size
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64)) % world_size
+
+
+# --------------------------------------------------------------------------------------------------
+# importance and selection
+def importance(a: Tensor, w: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
+    """``s = |a| / (|w| + eps_l)`` with ``eps_l = eps * mean|w|`` of this layer.
+
+    The guard is relative so that it means the same on every layer whatever its weight scale:
+    an entry with ``w = 0`` scores ``|a| / (eps * mean|w|)``, i.e. it ranks as if its weight were a
+    ``1/eps`` fraction of a typical one (very important, as the ratio ``|g|/|w|`` says, but finite).
+    ``mean|w|`` is taken over every ``ceil(n / 4096)``-th entry (a full pass would cost as much as
+    the rest of the importance); a layer whose sampled weights are all zero uses ``eps_l = eps``.
+
+    Args:
+        a: flat fp32 gradient plus residual.
+        w: the parameter (any shape, ``numel`` equal to ``a``'s); only read.
+        eps: the relative guard (> 0).
+        out: optional flat fp32 buffer of ``a.numel()`` to write into.
+    """
+    w = w.detach().reshape(-1)
+    n = w.numel()
+    scale = float(w[:: max(1, -(-n // _SCALE_SAMPLE))].abs().float().mean()) if n else 0.0
+    eps_l = eps * scale if scale > 0 and math.isfinite(scale) else eps
+    out = torch.empty_like(a) if out is None else out
+    if w.dtype == out.dtype:
+        torch.abs(w, out=out)
+    else:  # fp16/bf16 parameters: upcast while copying
+        out.copy_(w).abs_()
+    out.add_(eps_l)
+    torch.div(a, out, out=out)
+    return out.abs_()
+
+
+def select_top(s: Tensor, k: int, sample_fraction: float = 0.01, generator: torch.Generator | None = None) -> Tensor:
+    """Sorted positions of the ``k`` largest entries of ``s`` (int64, exactly ``k`` of them).
+
+    Exact top-k over millions of values costs more than a step's budget, so a threshold ``t`` is
+    estimated from a random sample (as in DGC) so that somewhat more than ``k`` entries pass,
+    then ``s >= t`` gives the candidates and an exact top-k among those fixes the count. When at
+    least ``k`` entries pass, the candidates contain the true top ``k``, so the result is the same
+    as exact top-k (up to ties); when fewer pass (an unlucky sample, NaN), exact top-k runs.
+    """
+    n = s.numel()
+    if k >= n:
+        return torch.arange(n, device=s.device)
+    m = math.ceil(sample_fraction * n) if sample_fraction > 0 else 0
+    if m >= 1024 and m < n:
+        # aim at k + 25% + 4 sigma of the sampling noise of the count above the threshold
+        target = min(n, math.ceil(1.25 * k + 4.0 * math.sqrt(k)))
+        j = max(1, min(m, round(m * target / n)))  # rank from the top inside the sample
+        sample = s[torch.randint(n, (m,), device=s.device, generator=generator)]
+        t = sample.kthvalue(m - j + 1).values
+        cand = torch.nonzero(s >= t).squeeze(1)
+        c = cand.numel()
+        if c >= k:
+            if c > k:  # keep the k largest candidates, in position order (no sort needed)
+                vals = s[cand]
+                v = vals.kthvalue(c - k + 1).values  # the k-th largest value
+                above = vals > v
+                tied = vals == v  # ties at v: the first ones by position fill the count
+                cand = cand[above | (tied & (tied.cumsum(0) <= k - int(above.sum())))]
+            return cand
+    return torch.topk(s, k, sorted=False).indices.sort().values
+
+
+# --------------------------------------------------------------------------------------------------
+# position codes
+def _ef_low_bits(k: int, n: int) -> int:
+    """Low-bit width of Elias-Fano for ``k`` positions in ``[0, n)``: ``floor(log2(n / k))``."""
+    return max(0, (n // k).bit_length() - 1) if k > 0 else 0
+
+
+def encoded_nbytes(encoding: str, k: int, n: int) -> int:
+    """Bytes of the code for ``k`` sorted distinct positions in ``[0, n)`` (no header: the size is
+    a function of ``k`` and ``n``). ``k == n`` needs no code at all (every position is kept)."""
+    if k >= n:
+        return 0
+    if encoding == "bitmap":
+        return -(-n // 8)
+    if encoding == "delta":
+        low = _ef_low_bits(k, n)
+        upper_bits = k + ((n - 1) >> low) + 1
+        return -(-k * low // 8) + -(-upper_bits // 8)
+    raise ValueError(f"index_encoding must be one of {list(ENCODINGS[1:])}, got {encoding!r}")
+
+
+def choose_encoding(mode: str, k: int, n: int) -> str:
+    """``"delta"`` or ``"bitmap"``; ``"auto"`` takes the smaller (delta on a tie)."""
+    if mode != "auto":
+        return mode
+    return "delta" if encoded_nbytes("delta", k, n) <= encoded_nbytes("bitmap", k, n) else "bitmap"
+
+
+def _bits_to_bytes(bits: Tensor) -> Tensor:
+    """Pack a flat bool tensor eight to a byte, least significant bit first."""
+    pad = (-bits.numel()) % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    shifts = _SHIFTS.to(bits.device)
+    return (bits.view(-1, 8).to(torch.uint8) << shifts).sum(1, dtype=torch.uint8)
+
+
+def _bytes_to_bits(data: Tensor, nbits: int) -> Tensor:
+    shifts = _SHIFTS.to(data.device)
+    return ((data.unsqueeze(1) >> shifts) & 1).reshape(-1)[:nbits].bool()
+
+
+def encode_positions(pos: Tensor, n: int, encoding: str) -> Tensor:
+    """Encode sorted distinct positions ``pos`` (int64) in ``[0, n)`` as a uint8 tensor of exactly
+    :func:`encoded_nbytes` bytes.
+
+    ``"bitmap"``: bit ``p`` is set for each kept position. ``"delta"`` (Elias-Fano): with
+    ``l = floor(log2(n/k))``, the low ``l`` bits of every position are stored verbatim, and the high
+    parts ``h_i = p_i >> l`` as a bit vector with bit ``h_i + i`` set; the number of zeros between
+    consecutive ones is the gap ``h_i - h_{i-1}``, a unary delta code. About ``l + 2`` bits a position.
+    """
+    k = pos.numel()
+    if k >= n:
+        return torch.zeros(0, dtype=torch.uint8, device=pos.device)
+    if encoding == "bitmap":
+        bits = torch.zeros(n, dtype=torch.bool, device=pos.device)
+        bits[pos] = True
+        return _bits_to_bytes(bits)
+    low = _ef_low_bits(k, n)
+    upper_bits = k + ((n - 1) >> low) + 1
+    upper = torch.zeros(upper_bits, dtype=torch.bool, device=pos.device)
+    upper[(pos >> low) + torch.arange(k, device=pos.device)] = True
+    parts = []
+    if low:
+        lows = pos & ((1 << low) - 1)
+        lowbits = (lows.unsqueeze(1) >> torch.arange(low, device=pos.device)) & 1
+        parts.append(_bits_to_bytes(lowbits.reshape(-1).bool()))
+    parts.append(_bits_to_bytes(upper))
+    return torch.cat(parts)
+
+
+def decode_positions(data: Tensor, k: int, n: int, encoding: str) -> Tensor:
+    """Inverse of :func:`encode_positions`: the ``k`` sorted positions as int64."""
+    if k >= n:
+        return torch.arange(n, device=data.device)
+    if encoding == "bitmap":
+        return torch.nonzero(_bytes_to_bits(data, n)).squeeze(1)
+    low = _ef_low_bits(k, n)
+    low_nbytes = -(-k * low // 8)
+    upper_bits = k + ((n - 1) >> low) + 1
+    ones = torch.nonzero(_bytes_to_bits(data[low_nbytes:], upper_bits)).squeeze(1)
+    if ones.numel() != k:
+        raise ValueError(f"corrupt position code: {ones.numel()} high parts for {k} positions")
+    pos = (ones - torch.arange(k, device=data.device)) << low
+    if low:
+        bits = _bytes_to_bits(data[:low_nbytes], k * low).view(k, low).long()
+        pos |= (bits << torch.arange(low, device=data.device)).sum(1)
+    return pos
+
+
+# --------------------------------------------------------------------------------------------------
+@register_codec("iwp")
+class IWPCodec(Codec):
+    """Importance-weighted pruning with a shared, broadcast index set.
+
+    Args:
+        keep_fraction: fraction of the entries sent each step; ``k = ceil(keep_fraction * n)`` per
+            selection group, so the all-reduced vector has the same length on every rank. Default
+            1/64, the 64x value compression the paper reports for AlexNet.
+        index_encoding: how the root's positions travel: ``"delta"`` (Elias-Fano), ``"bitmap"``, or
+            ``"auto"`` (default: the smaller of the two for this ``k`` and ``n``).
+        root: which rank selects: ``"random"`` (default; a hash of ``seed`` and the step, as in the
+            paper) or ``"round_robin"`` (``step mod N``).
+        seed: seed of the random root choice; must be equal on all ranks (it is part of the
+            options compared at setup).
+        eps: relative guard of the importance ``|a| / (|w| + eps * mean|w|)`` (default 1e-6).
+        scope: ``"bucket"`` (default): one cut over all compressed layers of a DDP bucket, so the
+            layers that matter most this step get more of the budget; ``"layer"``: each layer
+            keeps its own ``ceil(keep_fraction * n_l)``.
+        sample_fraction: fraction of entries sampled to estimate the selection threshold
+            (default 0.01; 0 means exact ``torch.topk``). Affects speed only, see :func:`select_top`.
+        **kwargs: the common codec options (``error_feedback`` on by default, ``min_numel``,
+            ``start_step``).
+    """
+
+    collective = "allreduce"
+    default_error_feedback = True
+
+    def __init__(
+        self,
+        keep_fraction: float = 1 / 64,
+        index_encoding: str = "auto",
+        root: str = "random",
+        seed: int = 0,
+        eps: float = 1e-6,
+        scope: str = "bucket",
+        sample_fraction: float = 0.01,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.keep_fraction = check_fraction("keep_fraction", keep_fraction)
+        self.index_encoding = check_choice("index_encoding", index_encoding, ENCODINGS)
+        self.root = check_choice("root", root, ROOTS)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        self.seed = seed
+        if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+            raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+        self.eps = float(eps)
+        self.scope = check_choice("scope", scope, SCOPES)
+        self.sample_fraction = check_fraction("sample_fraction", sample_fraction, low_open=False)
+        self._plan: dict[str, Tensor] = {}  # key -> this step's positions in the layer
+        self._generator: torch.Generator | None = None
+        #: introspection of the last bucket: root rank, encodings used and bytes broadcast
+        self.last_root = -1
+        self.last_encodings: list[str] = []
+        self.last_index_bytes = 0
+
+    def setup(self, context: CodecContext) -> None:
+        super().setup(context)
+        if dist.is_available() and dist.is_initialized() and context.world_size != dist.get_world_size():
+            raise ValueError(
+                "iwp broadcasts its index set in the default process group; it cannot run in a "
+                f"process group of {context.world_size} of the {dist.get_world_size()} ranks"
+            )
+
+    def k_for(self, numel: int) -> int:
+        return max(1, min(numel, math.ceil(self.keep_fraction * numel)))
+
+    def _groups(self, layers: list[tuple[str, Tensor, Tensor]]) -> list[list[tuple[str, Tensor, Tensor]]]:
+        return [layers] if self.scope == "bucket" else [[layer] for layer in layers]
+
+    def _select(self, group: list[tuple[str, Tensor, Tensor]], k: int) -> Tensor:
+        n = sum(x.numel() for _, x, _ in group)
+        s = torch.empty(n, dtype=torch.float32, device=group[0][1].device)
+        off = 0
+        for _, x, p in group:
+            importance(x, p, self.eps, out=s[off : off + x.numel()])
+            off += x.numel()
+        if self._generator is None or self._generator.device != s.device:
+            self._generator = torch.Generator(device=s.device)
+            self._generator.manual_seed(_splitmix64(self.seed ^ (0x5EED << 20) ^ self.rank) & ((1 << 63) - 1))
+        return select_top(s, k, self.sample_fraction, self._generator)
+
+    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], step: int) -> int:
+        """Pick this bucket's positions on the root, broadcast them, and plan every layer's payload.
+
+        Returns the bytes of the broadcast message (the code of every selection group).
+        """
+        world = self.world_size
+        root = root_rank(step, world, self.root, self.seed)
+        groups = self._groups(layers)
+        sizes = [sum(x.numel() for _, x, _ in g) for g in groups]
+        ks = [self.k_for(n) for n in sizes]
+        encs = [choose_encoding(self.index_encoding, k, n) for k, n in zip(ks, sizes)]
+        nbytes = [encoded_nbytes(e, k, n) for e, k, n in zip(encs, ks, sizes)]
+        device = layers[0][1].device
+        positions: list[Tensor | None] = [None] * len(groups)
+        if self.rank == root:
+            positions = [self._select(g, k) for g, k in zip(groups, ks)]
+        total = sum(nbytes)
+        if world > 1 and total > 0:
+            if self.rank == root:
+                msg = torch.cat([encode_positions(p, n, e) for p, n, e in zip(positions, sizes, encs)])
+            else:
+                msg = torch.empty(total, dtype=torch.uint8, device=device)
+            dist.broadcast(msg, src=root)
+            off = 0
+            for i, (k, n, e, b) in enumerate(zip(ks, sizes, encs, nbytes)):
+                if self.rank != root:
+                    positions[i] = decode_positions(msg[off : off + b], k, n, e)
+                off += b
+        for i, (g, k, n) in enumerate(zip(groups, ks, sizes)):
+            pos = positions[i]
+            if pos is None:  # k == n: everything is kept, nothing was sent
+                pos = torch.arange(n, device=device)
+            # cut the group's sorted positions into per-layer local indices
+            bounds = torch.tensor([0] + [x.numel() for _, x, _ in g], device=device).cumsum(0)
+            cuts = torch.searchsorted(pos, bounds).tolist()
+            for j, (key, x, _) in enumerate(g):
+                self._plan[key] = pos[cuts[j] : cuts[j + 1]] - int(bounds[j])
+        self.last_root, self.last_encodings, self.last_index_bytes = root, encs, total
+        return total if world > 1 else 0
+
+    def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
+        idx = self._plan.pop(key, None)
+        if idx is None:  # called outside the hook (single process): plan this layer alone
+            if self.world_size > 1:
+                raise RuntimeError("iwp.encode needs prepare_bucket first when running distributed")
+            self.prepare_bucket([(key, x, param)], step)
+            idx = self._plan.pop(key)
+        values = x[idx]
+        local = torch.zeros_like(x)
+        local[idx] = values
+        return EncodeResult([values], local=local, ctx=idx)
+
+    def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
+        out = torch.zeros(numel, dtype=torch.float32, device=payload[0].device)
+        out[ctx] = payload[0].float()
+        return out
