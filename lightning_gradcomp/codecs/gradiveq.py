@@ -420,35 +420,34 @@ class GradiVeQCodec(Codec):
             coef = self._quantize(c, scale, gen)
         else:
             coef = c.reshape(-1)
-        enc = EncodeResult([coef, tail], ctx=(bkey, s))
-        enc.local = self.decode([coef.clone(), tail.clone()], enc.ctx, x.numel(), count=1)
-        return enc
+        # local stays None: the hook decodes it only when error feedback or a statistics sample needs it
+        return EncodeResult([coef, tail], ctx=(bkey, s))
 
     def _quantize(self, c: Tensor, scale: Tensor, gen: torch.Generator) -> Tensor:
         s = self.quant_levels
         b, f = self._field_bits()
         a = float(scale)
         y = c.reshape(-1) * (s / a) if a > 0 else torch.zeros_like(c.reshape(-1))
-        lower = y.floor()
-        q = lower + (torch.rand(y.shape, generator=gen, device=y.device) < (y - lower)).float()
-        q = q.clamp_(-s, s).to(torch.int64) + s  # offset levels in [0, 2s]
+        # stochastic rounding: floor(y + u), u ~ U[0, 1), is unbiased; then offset to [0, 2s]
+        q = torch.rand(y.shape, generator=gen, device=y.device).add_(y).floor_().clamp_(-s, s).add_(s)
         pad = (-q.numel()) % f
         if pad:
             q = torch.cat([q, q.new_zeros(pad)])
-        shifts = (torch.arange(f, device=q.device, dtype=torch.int64) * b)
-        words = (q.view(-1, f) << shifts).sum(1)
-        # the word and the scale travel together; the scale is identical on all ranks, so its sum is N a
-        return torch.cat([words.to(torch.float32), scale.reshape(1).to(torch.float32)])
+        # pack f fields of b bits into one fp32 word: every partial sum is an integer < 2**24, exact
+        powers = torch.tensor([float(1 << (b * i)) for i in range(f)], dtype=torch.float32, device=q.device)
+        words = q.view(-1, f) @ powers
+        # the scale travels with the words; identical on all ranks, its sum is N a
+        return torch.cat([words, scale.reshape(1).to(torch.float32)])
 
     def _dequantize(self, words: Tensor, n: int, count: int) -> Tensor:
         s = self.quant_levels
         b, f = self._field_bits()
         a = float(words[-1]) / count  # the shared scale, summed over count ranks
-        w = words[:-1].round().to(torch.int64)
-        shifts = torch.arange(f, device=w.device, dtype=torch.int64) * b
+        w = words[:-1].to(torch.int32)  # exact: integers below 2**24
+        shifts = torch.arange(f, device=w.device, dtype=torch.int32) * b
         fields = (w.unsqueeze(1) >> shifts) & ((1 << b) - 1)
-        qsum = fields.reshape(-1)[:n] - count * s
-        return qsum.to(torch.float32) * (a / s)
+        qsum = fields.reshape(-1)[:n].to(torch.float32) - count * s
+        return qsum * (a / s)
 
     def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
         if ctx is None:
