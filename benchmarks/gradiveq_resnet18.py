@@ -123,22 +123,23 @@ def main() -> None:
     grads = collect(args.data, args.fit_steps + args.eval_steps, args.batch)
     fit, ev = grads[: args.fit_steps], grads[args.fit_steps :]
     settings = [
-        dict(slice_dim=32, num_components=4),
-        dict(slice_dim=32, num_components=4, basis="shared"),
-        dict(slice_dim=32, num_components=4, center=True),
-        dict(slice_dim=16, num_components=2),
-        dict(slice_dim=64, num_components=8),
-        dict(slice_dim=64, num_components=4),
-        dict(slice_dim=64, num_components=2),
-        dict(slice_dim=128, num_components=4),
-        dict(slice_dim=128, num_components=2),
-        dict(slice_dim=32, num_components=32),
-        dict(slice_dim=32, variance_target=0.9),
+        dict(),  # the defaults: slice_dim=64, num_components=4, quant_levels=7
+        dict(slice_dim=32, num_components=4, quant_levels=0),
+        dict(slice_dim=32, num_components=4, quant_levels=0, basis="shared"),
+        dict(slice_dim=32, num_components=4, quant_levels=0, center=True),
+        dict(slice_dim=16, num_components=2, quant_levels=0),
+        dict(slice_dim=64, num_components=8, quant_levels=0),
+        dict(slice_dim=64, num_components=4, quant_levels=0),
+        dict(slice_dim=64, num_components=4, quant_levels=0, basis="shared"),
+        dict(slice_dim=64, num_components=2, quant_levels=0),
+        dict(slice_dim=128, num_components=2, quant_levels=0),
+        dict(slice_dim=32, num_components=32, quant_levels=0),
+        dict(slice_dim=32, variance_target=0.9, quant_levels=0),
         dict(slice_dim=32, num_components=4, quant_levels=127),
         dict(slice_dim=32, num_components=4, quant_levels=7),
-        dict(slice_dim=64, num_components=4, quant_levels=7),
         dict(slice_dim=64, num_components=2, quant_levels=7),
         dict(slice_dim=64, num_components=4, quant_levels=1),
+        dict(slice_dim=64, num_components=4, quant_levels=3),
         dict(slice_dim=128, num_components=4, quant_levels=7),
     ]
     print(f"raw fp32 gradient: {4 * sum(v.numel() for v in grads[0].values()) / 1e6:.1f} MB")
@@ -146,7 +147,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for opts in settings:
         r = evaluate(fit, ev, **opts)
-        name = ", ".join(f"{k}={v}" for k, v in opts.items())
+        name = ", ".join(f"{k}={v}" for k, v in opts.items()) or "defaults (d=64, k=4, s=7)"
         print(f"| {name} | {r['MB']:.3f} | {r['ratio']:.1f} | {r['rel_err']:.3f} | {r['k']:.1f} | {r['ev']:.3f} | {r['enc_dec_ms']:.0f} | {r['t_100mbit']:.2f} |", flush=True)
 
 

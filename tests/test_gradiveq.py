@@ -17,7 +17,7 @@ from lightning_gradcomp.registry import make_codec
 
 def fitted_codec(world: int = 1, n: int = 2000, steps: int = 3, **opts) -> tuple[GradiVeQCodec, torch.Generator]:
     """A codec fitted on low-rank-plus-noise 'gradients' of one layer called 'w'."""
-    opts = {"slice_dim": 8, "num_components": 3, "warmup_steps": steps, "refresh_every": 0, "min_numel": 0, **opts}
+    opts = {"slice_dim": 8, "num_components": 3, "warmup_steps": steps, "refresh_every": 0, "min_numel": 0, "quant_levels": 0, **opts}
     codec = make_codec("gradiveq", **opts)
     codec.setup(CodecContext(0, world, torch.device("cpu")))
     g = torch.Generator().manual_seed(0)
@@ -275,8 +275,8 @@ def ddp_run(rank: int, world: int, steps: int, **opts):
 def gloo_worker(rank: int, world: int) -> bytes:
     steps = WARMUP + 2
     out = {
-        "k4": ddp_run(rank, world, steps, slice_dim=8, num_components=2),
-        "kd": ddp_run(rank, world, steps, slice_dim=8, num_components=8, center=True),
+        "k4": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=0),
+        "kd": ddp_run(rank, world, steps, slice_dim=8, num_components=8, center=True, quant_levels=0),
         "q": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=7),
         "mismatch": _mismatch(rank, world),
     }
@@ -323,7 +323,7 @@ def test_two_ranks_sum_codes_in_the_all_reduce():
             assert expect == 4 * ((3300 // 8) * 2 + 4 + (1100 // 8) * 2 + 4 + dense + 1)
     assert r0["q"]["payload"][-1] < r0["k4"]["payload"][-1] / 3  # 7 levels: 4 codes in a word
     # (4) the state dict restores the basis
-    fresh = make_codec("gradiveq", slice_dim=8, num_components=8, center=True)
+    fresh = make_codec("gradiveq", slice_dim=8, num_components=8, center=True, quant_levels=0)
     fresh.load_state_dict(r0["kd"]["state_dict"])
     assert fresh.basis_digest() == r1["kd"]["digest"]
     # (5) bases fitted from different data on the two ranks are detected on both
@@ -340,3 +340,69 @@ def _mismatch(rank: int, world: int) -> str:
     except RuntimeError as e:
         return str(e)
     return "no error"
+
+
+# --------------------------------------------------------------------------------------------------
+# Lightning: the callback drives the schedule and logs; the checkpoint holds the bases
+class _Tiny(__import__("lightning.pytorch").pytorch.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(512, LAYERS[0], generator=g), torch.randint(0, LAYERS[2], (512,), generator=g)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+
+
+def test_lightning_pca_warmup_schedule_logging_and_checkpoint(tmp_path):
+    import csv
+
+    import lightning.pytorch as pl
+
+    from lightning_gradcomp import CompressedDDPStrategy
+    from lightning_gradcomp.callbacks import PCAWarmup
+
+    strategy = CompressedDDPStrategy(
+        codec="gradiveq", codec_options={"slice_dim": 8, "num_components": 2, "min_numel": 1000}, start_method="spawn"
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=10,
+        logger=pl.loggers.CSVLogger(tmp_path, name="log", version=0),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[
+            PCAWarmup(warmup_steps=3, refresh_every=3, refresh_window=2),
+            pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True),
+        ],
+    )
+    trainer.fit(_Tiny())
+    with open(tmp_path / "log" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("gradcomp/pca_phase")]
+    phases = [int(float(r["gradcomp/pca_phase"])) for r in rows]
+    # warm-up 0-2, compress 3-5, refresh window 6-7, compress 8-9
+    assert phases == [0, 0, 0, 1, 1, 1, 2, 2, 1, 1]
+    ks = [float(r["gradcomp/pca_k"]) for r in rows]
+    assert ks[:3] == [0.0, 0.0, 0.0] and ks[3:] == [2.0] * 7
+    ev = float(rows[-1]["gradcomp/explained_variance"])
+    assert 0.0 < ev < 1.0
+    ratios = [float(r["gradcomp/compression_ratio"]) for r in rows]
+    assert ratios[2] == pytest.approx(1.0, rel=0.01) and ratios[4] > 3
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["gradcomp"]["shared"]["codec"]
+    assert saved["fits"] == 2 and saved["last_fit_step"] == 7
+    assert set(saved["bases"]) == {"net.0.weight", "net.2.weight"}
+    fresh = make_codec("gradiveq", slice_dim=8, num_components=2)
+    fresh.load_state_dict(saved)
+    assert fresh.fitted and fresh.k == 2

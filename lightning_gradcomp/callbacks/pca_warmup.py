@@ -73,7 +73,9 @@ class PCAWarmup(Callback):
         if codec is None or state is None or state.step == 0:
             return
         step = state.step - 1  # the optimizer step that just communicated
-        phase = codec.phase_at(step) if state.compressing(step) or codec.phase_at(step) != "compress" else "warmup"
+        phase = codec.phase_at(step)
+        if phase == "compress" and not state.compressing(step):  # no basis yet, or DDP's first steps
+            phase = "warmup"
         pl_module.log_dict(
             {
                 "gradcomp/pca_phase": float(PHASES[phase]),
