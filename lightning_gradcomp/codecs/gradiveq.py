@@ -469,10 +469,14 @@ class GradiVeQCodec(Codec):
         coef, tail = payload
         k = self._u32[bkey].shape[1]
         c = self._dequantize(coef, s * k, count) if self.quant_levels else coef.to(torch.float32)
-        g = c.view(s, k) @ self._u32[bkey].T
+        d = self.slice_dim
+        out = torch.empty(numel, dtype=torch.float32, device=c.device)
+        g = out[: s * d].view(s, d)
+        torch.matmul(c.view(s, k), self._u32[bkey].T, out=g)  # written in place: no extra copy
         if self.center:
             g += count * self._mu32[bkey]
-        return torch.cat([g.reshape(-1), tail.to(torch.float32)])
+        out[s * d :] = tail
+        return out
 
     def payload_numel(self, numel: int) -> int:
         """fp32 values this codec puts on the wire for a layer of ``numel`` values (with a basis of k)."""
