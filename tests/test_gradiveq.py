@@ -1,0 +1,408 @@
+"""GradiVeQ: option checks, exact PCA properties, and real 2-process gloo runs (plain DDP and Lightning)."""
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dist_utils import run_gloo
+from lightning_gradcomp import make_comm_hook
+from lightning_gradcomp.codecs.base import CodecContext
+from lightning_gradcomp.codecs.gradiveq import GradiVeQCodec, fit_pca
+from lightning_gradcomp.registry import make_codec
+
+
+def fitted_codec(world: int = 1, n: int = 2000, steps: int = 3, **opts) -> tuple[GradiVeQCodec, torch.Generator]:
+    """A codec fitted on low-rank-plus-noise 'gradients' of one layer called 'w'."""
+    opts = {"slice_dim": 8, "num_components": 3, "warmup_steps": steps, "refresh_every": 0, "min_numel": 0, "quant_levels": 0, **opts}
+    codec = make_codec("gradiveq", **opts)
+    codec.setup(CodecContext(0, world, torch.device("cpu")))
+    g = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        codec.observe_dense("w", torch.randn(n, generator=g), step)
+    codec.on_step_end(steps - 1)
+    return codec, g
+
+
+# --------------------------------------------------------------------------------------------------
+# options
+@pytest.mark.parametrize(
+    "opts, name",
+    [
+        ({"slice_dim": 1}, "slice_dim"),
+        ({"slice_dim": 0}, "slice_dim"),
+        ({"slice_dim": 8, "num_components": 9}, "num_components"),
+        ({"num_components": 0}, "num_components"),
+        ({"variance_target": 0.0}, "variance_target"),
+        ({"variance_target": 1.5}, "variance_target"),
+        ({"warmup_steps": 0}, "warmup_steps"),
+        ({"refresh_every": -1}, "refresh_every"),
+        ({"refresh_window": 0}, "refresh_window"),
+        ({"max_samples": 0}, "max_samples"),
+        ({"basis": "global"}, "basis"),
+        ({"quant_levels": -1}, "quant_levels"),
+        ({"quant_levels": 2**23}, "quant_levels"),
+        ({"min_numel": -5}, "min_numel"),
+    ],
+)
+def test_bad_options_raise_naming_the_option(opts, name):
+    with pytest.raises(ValueError, match=name):
+        make_codec("gradiveq", **opts)
+
+
+def test_quant_levels_too_large_for_the_world_raise_at_setup():
+    codec = make_codec("gradiveq", quant_levels=2**21)
+    codec.setup(CodecContext(0, 2, torch.device("cpu")))  # 2*2*2^21 = 2^23 fits 24 bits
+    codec = make_codec("gradiveq", quant_levels=2**21)
+    with pytest.raises(ValueError, match="quant_levels"):
+        codec.setup(CodecContext(0, 4, torch.device("cpu")))
+
+
+def test_callback_options_are_checked():
+    from lightning_gradcomp.callbacks import PCAWarmup
+
+    PCAWarmup()  # constructible with no arguments
+    with pytest.raises(ValueError, match="warmup_steps"):
+        PCAWarmup(warmup_steps=0)
+    with pytest.raises(ValueError, match="refresh_window"):
+        PCAWarmup(refresh_window=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# the fit
+def test_fit_pca_is_orthonormal_signed_deterministic_and_exact_on_low_rank_data():
+    g = torch.Generator().manual_seed(1)
+    basis = torch.linalg.qr(torch.randn(16, 3, generator=g, dtype=torch.float64))[0]
+    x = torch.randn(500, 3, generator=g, dtype=torch.float64) @ basis.T
+    u, mu, ev = fit_pca(x, 3, None, center=False)
+    assert u.dtype == torch.float64 and u.shape == (16, 3)
+    torch.testing.assert_close(u.T @ u, torch.eye(3, dtype=torch.float64), atol=1e-12, rtol=0)
+    assert torch.equal(mu, torch.zeros(16, dtype=torch.float64))
+    assert float(ev) == pytest.approx(1.0, abs=1e-12)
+    torch.testing.assert_close(x @ u @ u.T, x, atol=1e-10, rtol=0)  # the span is recovered exactly
+    assert (u[u.abs().argmax(0), torch.arange(3)] > 0).all()  # sign convention
+    u2, _, _ = fit_pca(x.clone(), 3, None, center=False)
+    assert torch.equal(u, u2)
+    # a variance target picks the smallest k that reaches it: 3 here, never more
+    u3, _, _ = fit_pca(x, 16, 0.999, center=False)
+    assert u3.shape[1] == 3
+    u1, _, ev1 = fit_pca(x, 16, 1e-6, center=False)
+    assert u1.shape[1] == 1 and 0 < float(ev1) < 1
+
+
+def test_schedule_windows_and_refits():
+    codec = make_codec("gradiveq", slice_dim=4, num_components=2, warmup_steps=3, refresh_every=4, refresh_window=2, min_numel=0)
+    phases = [codec.phase_at(s) for s in range(12)]
+    assert phases == ["warmup"] * 3 + ["compress"] * 4 + ["refresh"] * 2 + ["compress"] * 3
+    assert not codec.is_compressing(3)  # never before a basis exists
+    g = torch.Generator().manual_seed(0)
+    for step in range(12):
+        if not codec.is_compressing(step):
+            codec.observe_dense("w", torch.randn(64, generator=g), step)
+        codec.on_step_end(step)
+        if step == 2:
+            assert codec.fits == 1 and codec.is_compressing(3) and codec.k == 2
+        if step in (3, 7):
+            assert not codec.is_compressing(7) and not codec.is_compressing(8)
+    assert codec.fits == 2 and codec.state_dict()["last_fit_step"] == 8
+
+
+def test_bounded_sample():
+    codec = make_codec("gradiveq", slice_dim=8, num_components=2, warmup_steps=4, max_samples=100, min_numel=0)
+    g = torch.Generator().manual_seed(0)
+    for step in [0, 1, 2, 3, 0, 1, 2]:  # more rows than max_samples arrive: 25 a step
+        codec.observe_dense("w", torch.randn(8 * 1000, generator=g), step)
+        assert sum(t.shape[0] for t in codec._samples["w"]) <= 100 + 25
+    assert sum(t.shape[0] for t in codec._samples["w"]) >= 100
+    codec.on_step_end(3)
+    assert codec.fitted and codec._samples == {}
+
+
+# --------------------------------------------------------------------------------------------------
+# encode / decode
+@pytest.mark.parametrize("center", [False, True])
+def test_round_trip_with_k_equal_d_is_exact_including_the_tail(center):
+    codec, g = fitted_codec(num_components=8, center=center)
+    x = torch.randn(8 * 50 + 5, generator=g)
+    enc = codec.encode(x, "w", None, 5)
+    assert [t.numel() for t in enc.payload] == [400, 5]
+    torch.testing.assert_close(codec.decode(enc.payload, enc.ctx, x.numel(), 1), x, atol=1e-5, rtol=0)
+    # and the decode of a SUM over 3 ranks is the sum (the mean is added back count times)
+    xs = [torch.randn(405, generator=g) for _ in range(3)]
+    encs = [codec.encode(v, "w", None, 5) for v in xs]
+    summed = [sum(e.payload[i] for e in encs) for i in range(2)]
+    torch.testing.assert_close(codec.decode(summed, encs[0].ctx, 405, 3), sum(xs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("center", [False, True])
+def test_decode_is_the_projection_and_is_idempotent(center):
+    codec, g = fitted_codec(center=center)
+    u = codec._bases["w"]
+    mu = codec._means["w"]
+    x = torch.randn(8 * 30, generator=g)
+    enc = codec.encode(x, "w", None, 5)
+    assert enc.payload[0].numel() == 30 * 3 and enc.payload[1].numel() == 0
+    expect = ((x.double().view(30, 8) - mu) @ u @ u.T + mu).reshape(-1).float()
+    local = codec.decode_local(enc, x.numel())
+    torch.testing.assert_close(local, expect, atol=1e-5, rtol=0)
+    again = codec.decode_local(codec.encode(local, "w", None, 6), x.numel())
+    torch.testing.assert_close(again, local, atol=1e-5, rtol=0)
+
+
+def test_packed_quantized_levels_sum_exactly_and_are_unbiased():
+    world = 2
+    codec, g = fitted_codec(world=world, n=8 * 200, quant_levels=7)
+    xs = [torch.randn(8 * 200 + 3, generator=g) for _ in range(world)]
+    # the shared scale is what prepare_bucket's all-reduce(MAX) would give
+    scale = max(codec._coefficients(v, "w").abs().max() for v in xs)
+    encs = []
+    for r, v in enumerate(xs):
+        codec._scales["w"] = scale
+        codec.context = CodecContext(r, world, torch.device("cpu"))
+        encs.append(codec.encode(v, "w", None, 10))
+    b, f = codec._field_bits()
+    assert (b, f) == (5, 4)  # levels sum to [0, 28]: 5 bits, 4 fields per fp32 word
+    assert encs[0].payload[0].numel() == -(-200 * 3 // f) + 1
+    summed = [encs[0].payload[i] + encs[1].payload[i] for i in range(2)]
+    total = codec.decode(summed, encs[0].ctx, xs[0].numel(), world)
+    n = xs[0].numel()
+    torch.testing.assert_close(total, codec.decode_local(encs[0], n) + codec.decode_local(encs[1], n), atol=1e-5, rtol=0)
+    # unbiased: averaging many independently rounded encodings approaches the exact projection
+    exact = codec._coefficients(xs[0], "w").reshape(-1)
+    draws = []
+    for step in range(200):
+        codec._scales["w"] = scale
+        coef = codec.encode(xs[0], "w", None, step).payload[0]
+        draws.append(codec._dequantize(coef, exact.numel(), 1))
+    err_mean = (torch.stack(draws).mean(0) - exact).abs().max()
+    err_one = (draws[0] - exact).abs().max()
+    assert err_mean < err_one / 5
+
+
+def test_state_dict_round_trip_through_weights_only_load():
+    codec, g = fitted_codec(center=True, quant_levels=0)
+    buf = io.BytesIO()
+    torch.save(codec.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    fresh = make_codec("gradiveq", **{k: v for k, v in codec.options().items()})
+    fresh.setup(CodecContext(0, 1, torch.device("cpu")))
+    assert not fresh.fitted
+    fresh.load_state_dict(state)
+    assert fresh.basis_digest() == codec.basis_digest() and fresh.fits == 1
+    x = torch.randn(8 * 20 + 1, generator=g)
+    assert torch.equal(fresh.encode(x, "w", None, 9).payload[0], codec.encode(x, "w", None, 9).payload[0])
+    other = make_codec("gradiveq", slice_dim=16)
+    with pytest.raises(ValueError, match="slice_dim"):
+        other.load_state_dict(state)
+
+
+# --------------------------------------------------------------------------------------------------
+# real 2-process runs
+WARMUP = 3
+LAYERS = (33, 100, 11)  # 3300 and 1100 weights: both leave a tail of 4 after slices of 8
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(LAYERS[0], LAYERS[1]), nn.Tanh(), nn.Linear(LAYERS[1], LAYERS[2]))
+
+
+def local_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    return {n: p.grad.detach().reshape(-1).clone() for n, p in model.named_parameters()}
+
+
+def ddp_run(rank: int, world: int, steps: int, **opts):
+    """Train with the codec; at the last (compressed) step compare DDP's gradient with references."""
+    model = make_model()
+    ref = make_model()  # same weights, no DDP: this rank's own gradient
+    ddp = DDP(model)
+    state, hook = make_comm_hook("gradiveq", ddp, warmup_steps=WARMUP, refresh_every=0, min_numel=1000, **opts)
+    ddp.register_comm_hook(state, hook)
+    codec = state.codec
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(10 + rank)
+    out = {"payload": []}
+    for step in range(steps):
+        x, y = torch.randn(16, LAYERS[0], generator=g), torch.randint(0, 10, (16,), generator=g)
+        mine = local_grads(ref, x, y)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        out["payload"].append(state.stats.pop().payload_bytes)
+        got = {n: p.grad.detach().reshape(-1).clone() for n, p in model.named_parameters()}
+        if step == steps - 1:
+            # the true mean gradient, and the mean of every rank's own decoded gradient
+            every = [dict() for _ in range(world)]
+            for n, v in mine.items():
+                parts = [torch.zeros_like(v) for _ in range(world)]
+                dist.all_gather(parts, v)
+                for r in range(world):
+                    every[r][n] = parts[r]
+            decoded = {}
+            for n, v in mine.items():
+                if v.numel() < codec.min_numel:
+                    continue
+                if codec.quant_levels:
+                    codec.prepare_bucket([(n, v, None)], step)  # the same shared scale as the hook's
+                decoded[n] = codec.decode_local(codec.encode(v, n, None, step), v.numel())
+                parts = [torch.zeros_like(v) for _ in range(world)]
+                dist.all_gather(parts, decoded[n])
+                decoded[n] = sum(parts) / world
+            out.update(got=got, true_mean={n: sum(e[n] for e in every) / world for n in mine}, decoded_mean=decoded)
+        # keep both copies on the same weights (the DDP gradient is what every rank applies)
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            q.grad = p.grad.clone()
+        opt.step()
+        opt_ref.step()
+    codec.on_step_end(steps - 1)  # nothing happens (no window ends) but it must not fail
+    out.update(
+        digest=codec.basis_digest(),
+        bases={k: v.clone() for k, v in codec.state_dict()["bases"].items()},
+        compressing=[state.compressing(s) for s in range(steps)],
+        state_dict=codec.state_dict(),
+        numels={n: p.numel() for n, p in model.named_parameters()},
+        payload_numel={n: codec.payload_numel(p.numel()) for n, p in model.named_parameters() if p.numel() >= 1000},
+    )
+    return out
+
+
+def gloo_worker(rank: int, world: int) -> bytes:
+    steps = WARMUP + 2
+    out = {
+        "k4": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=0),
+        "kd": ddp_run(rank, world, steps, slice_dim=8, num_components=8, center=True, quant_levels=0),
+        "q": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=7),
+        "mismatch": _mismatch(rank, world),
+    }
+    # bytes, not tensors: tensors in a multiprocessing queue live in the sender's shared memory,
+    # which is gone once the rank exits
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+def test_two_ranks_sum_codes_in_the_all_reduce():
+    r0, r1 = (torch.load(io.BytesIO(r), weights_only=True) for r in run_gloo(gloo_worker, 2))
+    for name in ("k4", "kd", "q"):
+        a, b = r0[name], r1[name]
+        # (2) the bases are identical on both ranks, bit for bit
+        assert a["digest"] == b["digest"], name
+        assert a["bases"].keys() == b["bases"].keys() == {"0.weight", "2.weight"}
+        for k in a["bases"]:
+            assert torch.equal(a["bases"][k], b["bases"][k])
+        assert a["compressing"] == [False] * WARMUP + [True, True]
+        # (1) linearity: the aggregate is the mean of each rank's own decoded gradient
+        for n, v in a["decoded_mean"].items():
+            torch.testing.assert_close(a["got"][n], v, atol=1e-5, rtol=1e-5, msg=f"{name} {n}")
+            torch.testing.assert_close(b["got"][n], v, atol=1e-5, rtol=1e-5, msg=f"{name} {n}")
+        # small layers travel exactly
+        torch.testing.assert_close(a["got"]["0.bias"], a["true_mean"]["0.bias"], atol=1e-6, rtol=0)
+    # ... and with k = d it is the true mean gradient
+    kd = r0["kd"]
+    for n in kd["got"]:
+        torch.testing.assert_close(kd["got"][n], kd["true_mean"][n], atol=1e-5, rtol=0, msg=n)
+    # with k < d it is not (the test could fail)
+    k4 = r0["k4"]
+    assert (k4["got"]["0.weight"] - k4["true_mean"]["0.weight"]).abs().max() > 1e-3
+    # (3) bytes: every warm-up step sends the whole gradient, compressed steps the expected payload
+    for name, ratio in (("k4", True), ("q", False)):
+        res = r0[name]
+        numels = res["numels"]
+        dense = sum(v for v in numels.values() if v < 1000)
+        raw = 4 * (sum(numels.values()) + 1)  # one bucket, one flag
+        expect = 4 * (sum(res["payload_numel"].values()) + dense + 1)
+        assert res["payload"][:WARMUP] == [raw] * WARMUP
+        assert res["payload"][WARMUP:] == [expect + (8 if name == "q" else 0)] * 2  # q: + 2 shared scales
+        if ratio:  # slices of 8 sent as 2 coefficients, each weight's tail of 4 raw, small layers raw
+            assert expect == 4 * ((3300 // 8) * 2 + 4 + (1100 // 8) * 2 + 4 + dense + 1)
+    assert r0["q"]["payload"][-1] < r0["k4"]["payload"][-1] / 3  # 7 levels: 4 codes in a word
+    # (4) the state dict restores the basis
+    fresh = make_codec("gradiveq", slice_dim=8, num_components=8, center=True, quant_levels=0)
+    fresh.load_state_dict(r0["kd"]["state_dict"])
+    assert fresh.basis_digest() == r1["kd"]["digest"]
+    # (5) bases fitted from different data on the two ranks are detected on both
+    assert "differ across ranks" in r0["mismatch"] and "differ across ranks" in r1["mismatch"]
+
+
+def _mismatch(rank: int, world: int) -> str:
+    """Bases fitted on different data on each rank must be caught by the digest check."""
+    codec = make_codec("gradiveq", slice_dim=4, num_components=2, warmup_steps=1, min_numel=0)
+    codec.setup(CodecContext(rank, world, torch.device("cpu")))
+    codec.observe_dense("w", torch.randn(64, generator=torch.Generator().manual_seed(rank)), 0)
+    try:
+        codec.on_step_end(0)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+# --------------------------------------------------------------------------------------------------
+# Lightning: the callback drives the schedule and logs; the checkpoint holds the bases
+class _Tiny(__import__("lightning.pytorch").pytorch.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(512, LAYERS[0], generator=g), torch.randint(0, LAYERS[2], (512,), generator=g)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+
+
+def test_lightning_pca_warmup_schedule_logging_and_checkpoint(tmp_path):
+    import csv
+
+    import lightning.pytorch as pl
+
+    from lightning_gradcomp import CompressedDDPStrategy
+    from lightning_gradcomp.callbacks import PCAWarmup
+
+    strategy = CompressedDDPStrategy(
+        codec="gradiveq", codec_options={"slice_dim": 8, "num_components": 2, "min_numel": 1000}, start_method="spawn"
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=10,
+        logger=pl.loggers.CSVLogger(tmp_path, name="log", version=0),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[
+            PCAWarmup(warmup_steps=3, refresh_every=3, refresh_window=2),
+            pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True),
+        ],
+    )
+    trainer.fit(_Tiny())
+    with open(tmp_path / "log" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("gradcomp/pca_phase")]
+    phases = [int(float(r["gradcomp/pca_phase"])) for r in rows]
+    # warm-up 0-2, compress 3-5, refresh window 6-7, compress 8-9
+    assert phases == [0, 0, 0, 1, 1, 1, 2, 2, 1, 1]
+    ks = [float(r["gradcomp/pca_k"]) for r in rows]
+    assert ks[:3] == [0.0, 0.0, 0.0] and ks[3:] == [2.0] * 7
+    ev = float(rows[-1]["gradcomp/explained_variance"])
+    assert 0.0 < ev < 1.0
+    ratios = [float(r["gradcomp/compression_ratio"]) for r in rows]
+    assert ratios[2] == pytest.approx(1.0, rel=0.01) and ratios[4] > 3
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["gradcomp"]["shared"]["codec"]
+    assert saved["fits"] == 2 and saved["last_fit_step"] == 7
+    assert set(saved["bases"]) == {"net.0.weight", "net.2.weight"}
+    fresh = make_codec("gradiveq", slice_dim=8, num_components=2)
+    fresh.load_state_dict(saved)
+    assert fresh.fitted and fresh.k == 2
