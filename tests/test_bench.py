@@ -156,6 +156,13 @@ def test_plot_writes_figures_and_markdown(tmp_path):
     assert "| none | 35.70 s (51.00x) | 4.20 s (6.00x) | 1.05 s (1.50x) |" in text
     assert "0.80 s (1.14x) fb" in text  # the fallback is visible
     assert "](figures/link_resnet18_2hosts.png)" in text and "](figures/accuracy_cifar10.png)" in text
+    assert "`python -m lightning_gradcomp.bench link --hosts 2`" in text
+    # hand-written notes around the generated block survive a re-run, the block is replaced
+    md.write_text("# Title\n\nintro\n" + text[text.index(plot.BEGIN):] + "\nclosing note\n")
+    bench_main(["plot", "--results", str(res), "--figures", str(tmp_path / "docs" / "figures"), "--markdown", str(md)])
+    again = md.read_text()
+    assert again.startswith("# Title\n\nintro\n" + plot.BEGIN) and again.endswith("\nclosing note\n")
+    assert again.count(plot.BEGIN) == 1 and again.count("| codec | 10 Mbit/s") == 1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -267,3 +274,25 @@ def test_link_removes_its_namespaces_on_sigterm(tmp_path):
         except OSError:
             pass
     assert leftovers == []
+
+
+def test_append_merges_runs_and_replaces_a_repeated_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(netns, "available", lambda: (True, ""))
+    calls = []
+
+    def fake_run(args, codecs, hosts, rate, out):
+        calls.append((hosts, rate, codecs))
+        ranks = [[{"codec": c, "step_s": 1.0 + len(calls), "wire_bytes": 8.0} for c in codecs]] * hosts
+        return {"hosts": hosts, "rate": rate, "ranks": ranks, "error": None, "wall_s": 0.0}
+
+    monkeypatch.setattr(link, "run_config", fake_run)
+    out = str(tmp_path / "l")
+    assert bench_main(["link", "--codecs", "none", "--hosts", "2", "--rates", "10mbit,1gbit", "--out", out]) == 0
+    assert bench_main(["link", "--codecs", "none,topk", "--hosts", "4", "--rates", "100mbit", "--append", "--out", out]) == 0
+    assert bench_main(["link", "--codecs", "none", "--hosts", "2", "--rates", "1gbit", "--append", "--out", out]) == 0
+    assert calls[0] == (2, "10mbit", ["floor", "none"]) and calls[2] == (4, "100mbit", ["floor", "none", "topk"])
+    data = json.loads((tmp_path / "l" / "link.json").read_text())
+    got = sorted((r["hosts"], r["rate"], r["codec"], r["step_s"]) for r in data["rows"])
+    assert got == [(2, "10mbit", "floor", 2.0), (2, "10mbit", "none", 2.0), (2, "1gbit", "floor", 5.0), (2, "1gbit", "none", 5.0),
+                   (4, "100mbit", "floor", 4.0), (4, "100mbit", "none", 4.0), (4, "100mbit", "topk", 4.0)]
+    assert data["meta"]["argv"].count("+") == 2 and len(data["runs"]) == 3

@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         mod.add_arguments(p)
         p.set_defaults(_module=mod)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded with the results
     return int(args._module.main(args) or 0)
 
 

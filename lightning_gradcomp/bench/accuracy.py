@@ -128,7 +128,7 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     rows = []
     meta = {"benchmark": "accuracy", "max_steps": args.max_steps, "devices": args.devices, "machine": machine_info(),
-            "argv": sys.argv[1:]}
+            "argv": getattr(args, "argv", sys.argv[1:])}
     for task in tasks:
         for codec in codecs:
             print(f"accuracy: {task} {codec} ...", file=sys.stderr, flush=True)

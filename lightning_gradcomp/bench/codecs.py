@@ -149,7 +149,7 @@ def main(args: argparse.Namespace) -> int:
             if row["model"] == model_name and base is not None:
                 row["over_none_ms"] = row["hook_ms"] - base
     out = Path(args.out)
-    meta = {"benchmark": "codecs", "threads": 1, "machine": machine_info(), "argv": sys.argv[1:]}
+    meta = {"benchmark": "codecs", "threads": 1, "machine": machine_info(), "argv": getattr(args, "argv", sys.argv[1:])}
     write_json(out / "codecs.json", {"meta": meta, "rows": rows})
     write_csv(out / "codecs.csv", rows)
     print(format_table(rows, COLUMNS))

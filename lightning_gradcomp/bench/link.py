@@ -82,6 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cleanup", action="store_true", help="remove namespaces left by killed runs, then exit")
     p.add_argument("--force", action="store_true", help="with --cleanup: also namespaces of runs still alive")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per host-count x rate run")
+    p.add_argument("--append", action="store_true",
+                   help="keep the results already in OUT/link.json (a run of the same hosts and rate replaces them)")
     p.add_argument("--out", default="bench_results/link", help="output directory")
 
 
@@ -243,6 +245,9 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--codec-options must be a JSON object of objects, got {args.codec_options!r}") from None
     if not args.no_floor and FLOOR not in codecs:
         codecs = [FLOOR] + codecs
+    from lightning_gradcomp.bench.models import DEFAULT_BATCH
+
+    args.batch_size = args.batch_size or DEFAULT_BATCH[args.model]
     hosts = [int(h) for h in args.hosts.split(",") if h]
     if any(h < 2 for h in hosts):
         raise SystemExit(f"--hosts must be >= 2, got {args.hosts}")
@@ -264,7 +269,13 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     atexit.register(_teardown_all)
     old = {s: signal.signal(s, _raise_exit) for s in (signal.SIGTERM, signal.SIGHUP)}
-    configs, rows = [], []
+    configs: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+    previous = out / "link.json"
+    if args.append and previous.exists():
+        old_data = json.loads(previous.read_text())
+        configs, rows = old_data.get("runs", []), old_data.get("rows", [])
+        args.argv = old_data.get("meta", {}).get("argv", []) + ["+"] + getattr(args, "argv", [])
     try:
         for h in hosts:
             for rate in rates:
@@ -273,8 +284,9 @@ def main(args: argparse.Namespace) -> int:
                 cfg = run_config(args, codecs, h, rate, out / "runs" / name)
                 if cfg["error"]:
                     print(f"link: {name}: {cfg['error']}", file=sys.stderr)
-                configs.append({k: v for k, v in cfg.items()})
-                rows += rows_of(cfg, args.model)
+                same = lambda d: d["hosts"] == h and d["rate"] == cfg["rate"] and d.get("model", args.model) == args.model  # noqa: E731
+                configs = [c for c in configs if not same(c)] + [{**cfg, "model": args.model}]
+                rows = [r for r in rows if not same(r)] + rows_of(cfg, args.model)
                 write_results(out, rows, configs, args)
     finally:
         _teardown_all()
@@ -289,7 +301,8 @@ def write_results(out: Path, rows: list[dict[str, Any]], configs: list[dict[str,
     meta = {
         "benchmark": "link", "model": args.model, "batch_size": args.batch_size, "mode": "loopback" if args.loopback else "netns",
         "fast_warmup": not args.no_fast_warmup, "burst": netns.BURST, "latency": netns.LATENCY,
-        "cores_per_rank": 1, "machine": machine_info(), "argv": sys.argv[1:],
+        "cores_per_rank": 1, "machine": machine_info(), "argv": getattr(args, "argv", sys.argv[1:]),
+        "steps": args.steps, "min_steps": args.min_steps, "budget_s": args.budget_s, "warmup": args.warmup,
     }
     write_json(out / "link.json", {"meta": meta, "rows": rows, "runs": configs})
     write_csv(out / "link.csv", rows)

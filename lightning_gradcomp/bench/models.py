@@ -21,7 +21,8 @@ NUM_CLASSES = {"resnet18": 10, "pspnet": 12, "tiny": 10}
 def build_model(name: str) -> nn.Module:
     """``resnet18``: torchvision's ResNet-18 in CIFAR shape (3x3 stride-1 stem, no max-pool,
     11,181,642 parameters); ``pspnet``: segmentation-models-pytorch's PSPNet with its default
-    ResNet-34 encoder (no pretrained weights, 12 classes); ``tiny``: a small CNN for tests."""
+    ResNet-34 encoder (no pretrained weights, 12 classes; the encoder stages it does not use are
+    frozen); ``tiny``: a small CNN for tests."""
     if name == "resnet18":
         from torchvision.models import resnet18
 
@@ -32,7 +33,15 @@ def build_model(name: str) -> nn.Module:
     if name == "pspnet":
         import segmentation_models_pytorch as smp
 
-        return smp.PSPNet(encoder_weights=None, classes=NUM_CLASSES[name])
+        model = smp.PSPNet(encoder_weights=None, classes=NUM_CLASSES[name])
+        # PSPNet reads only the first encoder_depth (3) stages, but the encoder keeps the deeper
+        # ones: freeze what gets no gradient, or DDP waits for gradients that never come.
+        model(torch.randn(2, 3, 64, 64)).sum().backward()
+        for p in model.parameters():
+            if p.grad is None:
+                p.requires_grad_(False)
+            p.grad = None
+        return model
     if name == "tiny":
         return nn.Sequential(
             nn.Conv2d(3, 16, 3, padding=1),

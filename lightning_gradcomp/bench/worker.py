@@ -225,7 +225,7 @@ def run_codec(name: str, options: dict[str, Any], args: argparse.Namespace, link
         "codec": name, "options": codec.options(), "collective": codec.collective,
         "warmup_steps": recorder.warmup_steps, "warmup_exhausted": recorder.warmup_exhausted,
         "rel_error": recorder.rel_error, "wall_s": time.perf_counter() - t0, "steps": recorder.steps,
-        "params": sum(p.numel() for p in module.parameters()),
+        "params": sum(p.numel() for p in module.parameters() if p.requires_grad),
     }
     result.update(summarize(recorder.steps))
     return result
