@@ -48,6 +48,7 @@ COLUMNS = [
     Column("rel_error", "rel err", "{:.3f}"),
     Column("fallback", "fallback", "{}"),
     Column("measured_steps", "steps", "{}"),
+    Column("error", "error"),
 ]
 
 _ACTIVE_PROCS: list[subprocess.Popen] = []

@@ -61,11 +61,15 @@ def plot_link(rows: list[dict[str, Any]], figdir: Path) -> list[Path]:
             by_codec[r["codec"]].append((r["rate_bps"] / 1e6, r["step_s"]))
         for codec, pts in by_codec.items():
             pts.sort()
-            style = dict(color="black", linestyle="--") if codec == link_mod.FLOOR else dict(marker="o")
+            style = dict(color="black", linestyle="--", marker="s") if codec == link_mod.FLOOR else dict(marker="o")
             label = "no communication (floor)" if codec == link_mod.FLOOR else codec
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **style)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        from matplotlib.ticker import ScalarFormatter
+
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(ScalarFormatter())
         ax.set_xlabel("link rate (Mbit/s)")
         ax.set_ylabel("median step time (s)")
         ax.set_title(f"{model}, {hosts} hosts, one core per rank")

@@ -205,7 +205,10 @@ def run_codec(name: str, options: dict[str, Any], args: argparse.Namespace, link
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
-    codec = make_bench_codec(name, options)
+    try:
+        codec = make_bench_codec(name, options)
+    except (ValueError, TypeError) as err:  # raised alike on every rank: report it and go on
+        return {"codec": name, "options": options, "error": str(err), "steps": [], "measured_steps": 0}
     pl.seed_everything(0, verbose=False)  # identical models on every rank: no initial broadcast needed
     module = BenchModule()
     recorder = StepRecorder(codec, args, link)
@@ -273,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in [c for c in args.codecs.split(",") if c]:
         results.append(run_codec(name, dict(all_options.get(name, {})), args, link))
         r = results[-1]
-        print(f"[rank {rank}] {name}: median step {r.get('step_s', float('nan')):.3f} s over {r['measured_steps']} steps",
-              file=sys.stderr, flush=True)
+        print(f"[rank {rank}] {name}: " + (f"error: {r['error']}" if "error" in r else
+              f"median step {r.get('step_s', float('nan')):.3f} s over {r['measured_steps']} steps"), file=sys.stderr, flush=True)
         (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
