@@ -46,6 +46,7 @@ COLUMNS = [
     Column("mb_per_step", "MB/step", "{:.2f}"),
     Column("compression_ratio", "ratio", "{:.1f}"),
     Column("rel_error", "rel err", "{:.3f}"),
+    Column("compressed_fraction", "compressed", "{:.0%}"),
     Column("fallback", "fallback", "{}"),
     Column("measured_steps", "steps", "{}"),
     Column("error", "error"),
@@ -216,10 +217,12 @@ def rows_of(config: dict[str, Any], model: str) -> list[dict[str, Any]]:
             row["x_floor"] = res["step_s"] / floor
         if "wire_bytes" in res:
             row["mb_per_step"] = res["wire_bytes"] / 1e6
-        if res.get("encode_ms") is not None:
+        if res.get("encode_ms") is not None and res.get("collective") != "custom":  # custom: not split out
             row["codec_ms"] = res.get("encode_ms", 0.0) + res.get("decode_ms", 0.0)
         if res["codec"] in (FLOOR, "none"):
             row["compression_ratio"] = None if res["codec"] == FLOOR else 1.0
+        if res["codec"] == FLOOR:
+            row["compressed_fraction"] = None
         row["fallback"] = res.get("fallback_buckets")
         rows.append(row)
     return rows
