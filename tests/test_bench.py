@@ -3,7 +3,6 @@ the accuracy driver on a stand-in recipe, and (as root with iproute2) the networ
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -35,8 +34,23 @@ def test_loopback_multinode_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
     monkeypatch.setattr(netns, "available", lambda: (False, "not running as root"))
     out = tmp_path / "link"
-    rc = bench_main(["link", "--model", "tiny", "--codecs", "none,topk", "--hosts", "2", "--steps", "2",
-                     "--warmup", "3", "--out", str(out)])
+    rc = bench_main(
+        [
+            "link",
+            "--model",
+            "tiny",
+            "--codecs",
+            "none,topk",
+            "--hosts",
+            "2",
+            "--steps",
+            "2",
+            "--warmup",
+            "3",
+            "--out",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert "loopback mode" in captured.err and "not running as root" in captured.err
@@ -76,8 +90,20 @@ def test_floor_codec_stays_out_of_the_registry():
 
 def test_summarize_medians_and_fallback():
     steps = [
-        {"step_s": 3.0, "compressed": True, "wire_bytes": 10.0, "raw_wire_bytes": 100.0, "extra": {"fallback_buckets": 0.0}},
-        {"step_s": 1.0, "compressed": True, "wire_bytes": 10.0, "raw_wire_bytes": 100.0, "extra": {"fallback_buckets": 2.0}},
+        {
+            "step_s": 3.0,
+            "compressed": True,
+            "wire_bytes": 10.0,
+            "raw_wire_bytes": 100.0,
+            "extra": {"fallback_buckets": 0.0},
+        },
+        {
+            "step_s": 1.0,
+            "compressed": True,
+            "wire_bytes": 10.0,
+            "raw_wire_bytes": 100.0,
+            "extra": {"fallback_buckets": 2.0},
+        },
         {"step_s": 2.0, "compressed": False, "wire_bytes": 40.0, "raw_wire_bytes": 100.0, "extra": {}},
     ]
     s = summarize(steps)
@@ -89,11 +115,20 @@ def test_summarize_medians_and_fallback():
 
 
 def test_rows_of_relates_codecs_to_the_floor():
-    ranks = [[
-        {"codec": "floor", "step_s": 0.5, "wire_bytes": 0.0},
-        {"codec": "none", "step_s": 2.0, "wire_bytes": 4e6, "encode_ms": 0.0, "decode_ms": 0.0},
-        {"codec": "topk", "step_s": 0.6, "wire_bytes": 1e5, "compression_ratio": 40.0, "encode_ms": 3.0, "decode_ms": 1.0},
-    ]] * 2
+    ranks = [
+        [
+            {"codec": "floor", "step_s": 0.5, "wire_bytes": 0.0},
+            {"codec": "none", "step_s": 2.0, "wire_bytes": 4e6, "encode_ms": 0.0, "decode_ms": 0.0},
+            {
+                "codec": "topk",
+                "step_s": 0.6,
+                "wire_bytes": 1e5,
+                "compression_ratio": 40.0,
+                "encode_ms": 3.0,
+                "decode_ms": 1.0,
+            },
+        ]
+    ] * 2
     rows = link.rows_of({"hosts": 2, "rate": "100mbit", "ranks": ranks}, "resnet18")
     assert [r["x_floor"] for r in rows] == [1.0, 4.0, pytest.approx(1.2)]
     assert rows[1]["mb_per_step"] == 4.0 and rows[1]["compression_ratio"] == 1.0
@@ -125,26 +160,48 @@ def test_bad_rate_and_codec_are_refused(tmp_path):
 # --------------------------------------------------------------------------------------------------
 def _results(tmp_path: Path) -> Path:
     res = tmp_path / "results"
-    meta = {"machine": {"cpu_model": "Test CPU", "cpus_usable": 2, "torch": "9.9"}, "argv": ["link", "--hosts", "2"],
-            "model": "resnet18", "mode": "netns", "burst": "256kb", "latency": "50ms"}
+    meta = {
+        "machine": {"cpu_model": "Test CPU", "cpus_usable": 2, "torch": "9.9"},
+        "argv": ["link", "--hosts", "2"],
+        "model": "resnet18",
+        "mode": "netns",
+        "burst": "256kb",
+        "latency": "50ms",
+    }
     rows = []
     for rate, bps in (("10mbit", 1e7), ("100mbit", 1e8), ("1gbit", 1e9)):
         for codec, t in (("floor", 0.7), ("none", 0.7 + 3.5e8 / bps), ("topk", 0.8)):
-            rows.append({"hosts": 2, "rate": rate, "rate_bps": bps, "model": "resnet18", "codec": codec, "step_s": t,
-                         "x_floor": t / 0.7, "fallback": 1.0 if codec == "topk" and rate == "1gbit" else None})
+            rows.append(
+                {
+                    "hosts": 2,
+                    "rate": rate,
+                    "rate_bps": bps,
+                    "model": "resnet18",
+                    "codec": codec,
+                    "step_s": t,
+                    "x_floor": t / 0.7,
+                    "fallback": 1.0 if codec == "topk" and rate == "1gbit" else None,
+                }
+            )
     (res / "link").mkdir(parents=True)
     (res / "link" / "link.json").write_text(json.dumps({"meta": meta, "rows": rows}))
-    acc = [{"task": "cifar10", "codec": c, "metric_name": "val_acc", "metric": m, "bytes_sent": b}
-           for c, m, b in (("none", 0.6, 4e10), ("topk", 0.58, 1e9))]
+    acc = [
+        {"task": "cifar10", "codec": c, "metric_name": "val_acc", "metric": m, "bytes_sent": b}
+        for c, m, b in (("none", 0.6, 4e10), ("topk", 0.58, 1e9))
+    ]
     (res / "accuracy").mkdir()
-    (res / "accuracy" / "accuracy.json").write_text(json.dumps({"meta": {**meta, "max_steps": 100, "devices": 2}, "rows": acc}))
+    (res / "accuracy" / "accuracy.json").write_text(
+        json.dumps({"meta": {**meta, "max_steps": 100, "devices": 2}, "rows": acc})
+    )
     return res
 
 
 def test_plot_writes_figures_and_markdown(tmp_path):
     res = _results(tmp_path)
     md = tmp_path / "docs" / "benchmarks.md"
-    rc = bench_main(["plot", "--results", str(res), "--figures", str(tmp_path / "docs" / "figures"), "--markdown", str(md)])
+    rc = bench_main(
+        ["plot", "--results", str(res), "--figures", str(tmp_path / "docs" / "figures"), "--markdown", str(md)]
+    )
     assert rc == 0
     pngs = sorted(p.name for p in (tmp_path / "docs" / "figures").glob("*.png"))
     assert pngs == ["accuracy_cifar10.png", "link_resnet18_2hosts.png"]
@@ -158,7 +215,7 @@ def test_plot_writes_figures_and_markdown(tmp_path):
     assert "](figures/link_resnet18_2hosts.png)" in text and "](figures/accuracy_cifar10.png)" in text
     assert "`python -m lightning_gradcomp.bench link --hosts 2`" in text
     # hand-written notes around the generated block survive a re-run, the block is replaced
-    md.write_text("# Title\n\nintro\n" + text[text.index(plot.BEGIN):] + "\nclosing note\n")
+    md.write_text("# Title\n\nintro\n" + text[text.index(plot.BEGIN) :] + "\nclosing note\n")
     bench_main(["plot", "--results", str(res), "--figures", str(tmp_path / "docs" / "figures"), "--markdown", str(md)])
     again = md.read_text()
     assert again.startswith("# Title\n\nintro\n" + plot.BEGIN) and again.endswith("\nclosing note\n")
@@ -166,7 +223,7 @@ def test_plot_writes_figures_and_markdown(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-FAKE_RECIPE = '''
+FAKE_RECIPE = """
 import argparse, json
 p = argparse.ArgumentParser()
 for a in ("--codec", "--devices", "--accelerator", "--max-steps", "--metrics-json", "--data-dir"):
@@ -177,7 +234,7 @@ if a.codec == "broken":
 sent = {"none": 4e9, "topk": 8e7}[a.codec]
 json.dump({"val_acc": 0.5 if a.codec == "none" else 0.45, "bytes_sent": sent, "compression_ratio": 4e9 / sent,
            "global_step": int(a.max_steps), "argv": vars(a)}, open(a.metrics_json, "w"))
-'''
+"""
 
 
 def test_accuracy_runs_recipes_and_collects_metrics(tmp_path, capsys):
@@ -185,29 +242,54 @@ def test_accuracy_runs_recipes_and_collects_metrics(tmp_path, capsys):
     recipes.mkdir()
     (recipes / "resnet_cifar10.py").write_text(FAKE_RECIPE)
     out = tmp_path / "acc"
-    rc = bench_main(["accuracy", "--tasks", "cifar10,camvid", "--codecs", "none,topk,broken", "--max-steps", "7",
-                     "--recipes-dir", str(recipes), "--cifar-data-dir", "DATA", "--out", str(out)])
+    rc = bench_main(
+        [
+            "accuracy",
+            "--tasks",
+            "cifar10,camvid",
+            "--codecs",
+            "none,topk,broken",
+            "--max-steps",
+            "7",
+            "--recipes-dir",
+            str(recipes),
+            "--cifar-data-dir",
+            "DATA",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 1  # a failed run and a missing recipe are reported, not hidden
     rows = json.loads((out / "accuracy.json").read_text())["rows"]
     ok = {r["codec"]: r for r in rows if r["task"] == "cifar10" and r["status"] == "ok"}
     assert ok["none"]["metric"] == 0.5 and ok["topk"]["metric"] == 0.45
     assert ok["topk"]["gb_sent"] == pytest.approx(0.08) and ok["topk"]["compression_ratio"] == 50
     assert ok["topk"]["steps"] == 7 and ok["topk"]["metric_name"] == "val_acc"
-    assert ok["topk"]["raw"]["argv"] == {"codec": "topk", "devices": "2", "accelerator": "cpu", "max_steps": "7",
-                                         "metrics_json": str(out / "runs" / "cifar10-topk.json"), "data_dir": "DATA"}
+    assert ok["topk"]["raw"]["argv"] == {
+        "codec": "topk",
+        "devices": "2",
+        "accelerator": "cpu",
+        "max_steps": "7",
+        "metrics_json": str(out / "runs" / "cifar10-topk.json"),
+        "data_dir": "DATA",
+    }
     broken = next(r for r in rows if r["codec"] == "broken" and r["task"] == "cifar10")
     assert broken["status"].startswith("failed (exit 3)")
     assert all(r["status"].startswith("missing recipe") for r in rows if r["task"] == "camvid")
 
 
 def test_extract_metrics_reads_nested_and_named_metrics():
-    got = accuracy.extract_metrics({"metrics": {"task_metric": 0.7, "total_bytes_sent": 2e9}, "metric_name": "miou"}, "camvid")
+    got = accuracy.extract_metrics(
+        {"metrics": {"task_metric": 0.7, "total_bytes_sent": 2e9}, "metric_name": "miou"}, "camvid"
+    )
     assert got["metric"] == 0.7 and got["metric_name"] == "miou" and got["gb_sent"] == 2.0
 
 
 # --------------------------------------------------------------------------------------------------
 def _in_ns(ns: str, code: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, **kw
+    )
 
 
 @needs_netns
@@ -216,19 +298,30 @@ def test_namespaces_carry_tcp_and_are_removed(hosts):
     mine = f"{netns.PREFIX}{os.getpid()}-"
     with netns.Topology(hosts, "100mbit", tag="t") as topo:
         assert sorted(netns.list_namespaces(mine)) == sorted(topo.made) and len(topo.made) == hosts + (hosts > 2)
-        shaped = subprocess.run(topo.exec_prefix(1) + ["tc", "qdisc", "show", "dev", topo.ifaces[1]], capture_output=True, text=True)
+        shaped = subprocess.run(
+            topo.exec_prefix(1) + ["tc", "qdisc", "show", "dev", topo.ifaces[1]], capture_output=True, text=True
+        )
         assert "tbf" in shaped.stdout and "100Mbit" in shaped.stdout
-        server = _in_ns(topo.namespaces[0], (
-            "import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1);"
-            f"s.bind(('{topo.addrs[0]}', 29650)); s.listen(1); print('ready', flush=True); c, _ = s.accept();"
-            "print(c.recv(16).decode(), flush=True)"))
+        server = _in_ns(
+            topo.namespaces[0],
+            (
+                "import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1);"
+                f"s.bind(('{topo.addrs[0]}', 29650)); s.listen(1); print('ready', flush=True); c, _ = s.accept();"
+                "print(c.recv(16).decode(), flush=True)"
+            ),
+        )
         assert server.stdout.readline().strip() == "ready"
-        client = _in_ns(topo.namespaces[-1], f"import socket; s = socket.create_connection(('{topo.addrs[0]}', 29650), 5); s.sendall(b'hello')")
+        client = _in_ns(
+            topo.namespaces[-1],
+            f"import socket; s = socket.create_connection(('{topo.addrs[0]}', 29650), 5); s.sendall(b'hello')",
+        )
         assert client.wait(20) == 0
         assert server.stdout.readline().strip() == "hello"
         server.wait(10)
         topo.set_rate("10mbit")
-        shaped = subprocess.run(topo.exec_prefix(0) + ["tc", "qdisc", "show", "dev", topo.ifaces[0]], capture_output=True, text=True)
+        shaped = subprocess.run(
+            topo.exec_prefix(0) + ["tc", "qdisc", "show", "dev", topo.ifaces[0]], capture_output=True, text=True
+        )
         assert "10Mbit" in shaped.stdout
     assert netns.list_namespaces(mine) == []
 
@@ -244,16 +337,35 @@ def test_cleanup_removes_only_dead_runs():
         assert netns.list_namespaces(alive) == [alive]
     finally:
         for n in (dead, alive):
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+            subprocess.run(["ip", "netns", "del", n], capture_output=True, check=False)
 
 
 @needs_netns
 def test_link_removes_its_namespaces_on_sigterm(tmp_path):
     """Killed in the middle of a run, the harness stops its ranks and deletes every namespace."""
     out = tmp_path / "sig"
-    proc = subprocess.Popen([sys.executable, "-m", "lightning_gradcomp.bench", "link", "--model", "tiny", "--codecs", "none",
-                             "--rates", "100mbit", "--steps", "50", "--out", str(out)], env=_env(), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lightning_gradcomp.bench",
+            "link",
+            "--model",
+            "tiny",
+            "--codecs",
+            "none",
+            "--rates",
+            "100mbit",
+            "--steps",
+            "50",
+            "--out",
+            str(out),
+        ],
+        env=_env(),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     prefix = f"{netns.PREFIX}{proc.pid}-"
     try:
         deadline = time.monotonic() + 60
@@ -288,13 +400,23 @@ def test_append_merges_runs_and_replaces_a_repeated_one(tmp_path, monkeypatch):
     monkeypatch.setattr(link, "run_config", fake_run)
     out = str(tmp_path / "l")
     assert bench_main(["link", "--codecs", "none", "--hosts", "2", "--rates", "10mbit,1gbit", "--out", out]) == 0
-    assert bench_main(["link", "--codecs", "none,topk", "--hosts", "4", "--rates", "100mbit", "--append", "--out", out]) == 0
+    assert (
+        bench_main(["link", "--codecs", "none,topk", "--hosts", "4", "--rates", "100mbit", "--append", "--out", out])
+        == 0
+    )
     assert bench_main(["link", "--codecs", "none", "--hosts", "2", "--rates", "1gbit", "--append", "--out", out]) == 0
     assert calls[0] == (2, "10mbit", ["floor", "none"]) and calls[2] == (4, "100mbit", ["floor", "none", "topk"])
     data = json.loads((tmp_path / "l" / "link.json").read_text())
     got = sorted((r["hosts"], r["rate"], r["codec"], r["step_s"]) for r in data["rows"])
-    assert got == [(2, "10mbit", "floor", 2.0), (2, "10mbit", "none", 2.0), (2, "1gbit", "floor", 5.0), (2, "1gbit", "none", 5.0),
-                   (4, "100mbit", "floor", 4.0), (4, "100mbit", "none", 4.0), (4, "100mbit", "topk", 4.0)]
+    assert got == [
+        (2, "10mbit", "floor", 2.0),
+        (2, "10mbit", "none", 2.0),
+        (2, "1gbit", "floor", 5.0),
+        (2, "1gbit", "none", 5.0),
+        (4, "100mbit", "floor", 4.0),
+        (4, "100mbit", "none", 4.0),
+        (4, "100mbit", "topk", 4.0),
+    ]
     assert data["meta"]["argv"].count("+") == 2 and len(data["runs"]) == 3
 
 
@@ -304,8 +426,23 @@ def test_link_over_namespaces_times_steps_at_the_shaped_rate(tmp_path, monkeypat
     slower), and nothing is left behind."""
     monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
     out = tmp_path / "ns"
-    rc = bench_main(["link", "--model", "tiny", "--codecs", "none", "--hosts", "2", "--rates", "100mbit", "--steps", "2",
-                     "--out", str(out)])
+    rc = bench_main(
+        [
+            "link",
+            "--model",
+            "tiny",
+            "--codecs",
+            "none",
+            "--hosts",
+            "2",
+            "--rates",
+            "100mbit",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     data = json.loads((out / "link.json").read_text())
     assert data["meta"]["mode"] == "netns"

@@ -20,7 +20,7 @@ from typing import Any
 
 from lightning_gradcomp.bench.results import Column, format_table, machine_info, write_csv, write_json
 
-__all__ = ["TASKS", "COLUMNS", "add_arguments", "main", "extract_metrics"]
+__all__ = ["COLUMNS", "TASKS", "add_arguments", "extract_metrics", "main"]
 
 #: task -> (recipe script relative to the recipes directory, metric keys tried in order)
 TASKS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -79,8 +79,12 @@ def extract_metrics(data: dict[str, Any], task: str, metric_key: str | None = No
     _, ratio = _pick(data, RATIO_KEYS)
     _, steps = _pick(data, ("global_step", "steps", "step", "max_steps"))
     return {
-        "metric_name": name, "metric": value, "bytes_sent": sent,
-        "gb_sent": None if sent is None else sent / 1e9, "compression_ratio": ratio, "steps": steps,
+        "metric_name": name,
+        "metric": value,
+        "bytes_sent": sent,
+        "gb_sent": None if sent is None else sent / 1e9,
+        "compression_ratio": ratio,
+        "steps": steps,
     }
 
 
@@ -91,8 +95,22 @@ def run_recipe(task: str, codec: str, args: argparse.Namespace, out: Path) -> di
     metrics.parent.mkdir(parents=True, exist_ok=True)
     if metrics.exists():
         metrics.unlink()
-    cmd = [args.python, str(script), "--codec", codec, "--devices", str(args.devices), "--accelerator", "cpu",
-           "--max-steps", str(args.max_steps), "--metrics-json", str(metrics), "--data-dir", data_dir]
+    cmd = [
+        args.python,
+        str(script),
+        "--codec",
+        codec,
+        "--devices",
+        str(args.devices),
+        "--accelerator",
+        "cpu",
+        "--max-steps",
+        str(args.max_steps),
+        "--metrics-json",
+        str(metrics),
+        "--data-dir",
+        data_dir,
+    ]
     cmd += shlex.split(args.recipe_args)
     row: dict[str, Any] = {"task": task, "codec": codec, "command": shlex.join(cmd)}
     if not script.exists():
@@ -102,7 +120,7 @@ def run_recipe(task: str, codec: str, args: argparse.Namespace, out: Path) -> di
     log = out / "runs" / f"{task}-{codec}.log"
     with log.open("w") as f:
         try:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout)
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, check=False)
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = None
@@ -127,8 +145,13 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--tasks must be among {list(TASKS)}, got {bad}")
     out = Path(args.out)
     rows = []
-    meta = {"benchmark": "accuracy", "max_steps": args.max_steps, "devices": args.devices, "machine": machine_info(),
-            "argv": getattr(args, "argv", sys.argv[1:])}
+    meta = {
+        "benchmark": "accuracy",
+        "max_steps": args.max_steps,
+        "devices": args.devices,
+        "machine": machine_info(),
+        "argv": getattr(args, "argv", sys.argv[1:]),
+    }
     for task in tasks:
         for codec in codecs:
             print(f"accuracy: {task} {codec} ...", file=sys.stderr, flush=True)

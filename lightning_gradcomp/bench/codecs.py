@@ -104,9 +104,17 @@ def measure_codec(name: str, options: dict[str, Any], model_name: str, args: arg
             if warm >= args.warmup and (compressed or not will_compress) or warm >= args.max_warmup:
                 phase = "measure"
             continue
-        measured.append({"hook_s": spent[0], "encode_s": st.encode_s if st else 0.0, "decode_s": st.decode_s if st else 0.0,
-                         "raw_bytes": st.raw_bytes if st else 0, "wire": st.wire_bytes if st else 0.0,
-                         "raw_wire": st.raw_wire_bytes if st else 0.0, "compressed": compressed})
+        measured.append(
+            {
+                "hook_s": spent[0],
+                "encode_s": st.encode_s if st else 0.0,
+                "decode_s": st.decode_s if st else 0.0,
+                "raw_bytes": st.raw_bytes if st else 0,
+                "wire": st.wire_bytes if st else 0.0,
+                "raw_wire": st.raw_wire_bytes if st else 0.0,
+                "compressed": compressed,
+            }
+        )
         if len(measured) >= args.steps:
             phase = "probe"
     n = max(len(measured), 1)
@@ -118,10 +126,16 @@ def measure_codec(name: str, options: dict[str, Any], model_name: str, args: arg
     raw = sum(m["raw_bytes"] for m in measured) / n
     wire = sum(m["wire"] for m in measured) / n
     return {
-        "model": model_name, "codec": name, "options": state.codec.options(), "measured_steps": len(measured),
-        "warmup_steps": warm, "compressed_fraction": sum(m["compressed"] for m in measured) / n,
-        "grad_mb": raw / 1e6, "hook_ms": 1e3 * hook_s,
-        "encode_ms": 1e3 * median("encode_s"), "decode_ms": 1e3 * median("decode_s"),
+        "model": model_name,
+        "codec": name,
+        "options": state.codec.options(),
+        "measured_steps": len(measured),
+        "warmup_steps": warm,
+        "compressed_fraction": sum(m["compressed"] for m in measured) / n,
+        "grad_mb": raw / 1e6,
+        "hook_ms": 1e3 * hook_s,
+        "encode_ms": 1e3 * median("encode_s"),
+        "decode_ms": 1e3 * median("decode_s"),
         "throughput_mb_s": raw / 1e6 / hook_s if hook_s > 0 else None,
         "compression_ratio": (sum(m["raw_wire"] for m in measured) / n) / wire if wire > 0 else None,
         "rel_error": rel_error,

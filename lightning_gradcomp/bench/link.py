@@ -29,7 +29,7 @@ from typing import Any
 from lightning_gradcomp.bench import netns
 from lightning_gradcomp.bench.results import Column, format_table, machine_info, write_csv, write_json
 
-__all__ = ["DEFAULT_CODECS", "SEED_CODECS", "COLUMNS", "add_arguments", "main", "run_config", "default_codecs"]
+__all__ = ["COLUMNS", "DEFAULT_CODECS", "SEED_CODECS", "add_arguments", "default_codecs", "main", "run_config"]
 
 DEFAULT_CODECS = ("none", "fp16", "topk", "powersgd")
 SEED_CODECS = ("gradiveq", "fft", "lgc", "iwp")
@@ -65,8 +65,12 @@ def default_codecs() -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--codecs", default=None, help="comma list (default: none,fp16,topk,powersgd + installed seed codecs)")
-    p.add_argument("--codec-options", default="{}", help='JSON {"codec": {option: value}}, e.g. {"powersgd": {"rank": 4}}')
+    p.add_argument(
+        "--codecs", default=None, help="comma list (default: none,fp16,topk,powersgd + installed seed codecs)"
+    )
+    p.add_argument(
+        "--codec-options", default="{}", help='JSON {"codec": {option: value}}, e.g. {"powersgd": {"rank": 4}}'
+    )
     p.add_argument("--no-floor", action="store_true", help="skip the no-communication floor")
     p.add_argument("--rates", default="10mbit,100mbit,1gbit", help="comma list of tc rates")
     p.add_argument("--hosts", default="2", help="comma list of host counts, e.g. 2,4")
@@ -74,18 +78,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default 32 for resnet18, 8 for pspnet)")
     p.add_argument("--image-size", type=int, default=None)
     p.add_argument("--warmup", type=int, default=3, help="at least this many unmeasured steps per codec")
-    p.add_argument("--max-warmup", type=int, default=30, help="measure anyway after this many steps without compression")
+    p.add_argument(
+        "--max-warmup", type=int, default=30, help="measure anyway after this many steps without compression"
+    )
     p.add_argument("--steps", type=int, default=8, help="measured steps per codec")
     p.add_argument("--min-steps", type=int, default=2, help="measured steps per codec when the budget runs out")
-    p.add_argument("--budget-s", type=float, default=45.0, help="stop measuring a codec after this many seconds of steps")
-    p.add_argument("--no-fast-warmup", action="store_true",
-                   help="run warm-up steps at the target rate too (by default they run at 1gbit; only measured steps use the rate)")
+    p.add_argument(
+        "--budget-s", type=float, default=45.0, help="stop measuring a codec after this many seconds of steps"
+    )
+    p.add_argument(
+        "--no-fast-warmup",
+        action="store_true",
+        help="run warm-up steps at the target rate too (by default they run at 1gbit; only measured steps use the rate)",
+    )
     p.add_argument("--loopback", action="store_true", help="no namespaces: all ranks on 127.0.0.1, no shaping")
     p.add_argument("--cleanup", action="store_true", help="remove namespaces left by killed runs, then exit")
     p.add_argument("--force", action="store_true", help="with --cleanup: also namespaces of runs still alive")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per host-count x rate run")
-    p.add_argument("--append", action="store_true",
-                   help="keep the results already in OUT/link.json (a run of the same hosts and rate replaces them)")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the results already in OUT/link.json (a run of the same hosts and rate replaces them)",
+    )
     p.add_argument("--out", default="bench_results/link", help="output directory")
 
 
@@ -124,9 +138,24 @@ def _raise_exit(signum: int, frame: Any) -> None:
 
 def worker_args(args: argparse.Namespace, codecs: list[str], out: Path) -> list[str]:
     cmd = [
-        "--codecs", ",".join(codecs), "--codec-options", args.codec_options, "--model", args.model,
-        "--warmup", str(args.warmup), "--max-warmup", str(args.max_warmup), "--steps", str(args.steps),
-        "--min-steps", str(args.min_steps), "--budget-s", str(args.budget_s), "--out", str(out),
+        "--codecs",
+        ",".join(codecs),
+        "--codec-options",
+        args.codec_options,
+        "--model",
+        args.model,
+        "--warmup",
+        str(args.warmup),
+        "--max-warmup",
+        str(args.max_warmup),
+        "--steps",
+        str(args.steps),
+        "--min-steps",
+        str(args.min_steps),
+        "--budget-s",
+        str(args.budget_s),
+        "--out",
+        str(out),
     ]
     if args.batch_size:
         cmd += ["--batch-size", str(args.batch_size)]
@@ -157,8 +186,13 @@ def run_config(args: argparse.Namespace, codecs: list[str], hosts: int, rate: st
         for r in range(hosts):
             iface = topo.ifaces[r] if topo else "lo"
             env = {
-                "MASTER_ADDR": master, "MASTER_PORT": str(port), "WORLD_SIZE": str(hosts), "NODE_RANK": str(r),
-                "LOCAL_RANK": "0", "GLOO_SOCKET_IFNAME": iface, "OMP_NUM_THREADS": "1",
+                "MASTER_ADDR": master,
+                "MASTER_PORT": str(port),
+                "WORLD_SIZE": str(hosts),
+                "NODE_RANK": str(r),
+                "LOCAL_RANK": "0",
+                "GLOO_SOCKET_IFNAME": iface,
+                "OMP_NUM_THREADS": "1",
             }
             cmd = (topo.exec_prefix(r) if topo else []) + ["env"] + [f"{k}={v}" for k, v in env.items()]
             cmd += ["taskset", "-c", str(cores[r % len(cores)])] if _has("taskset") else []
@@ -167,10 +201,9 @@ def run_config(args: argparse.Namespace, codecs: list[str], hosts: int, rate: st
                 cmd += ["--iface", iface, "--rate", rate]
                 if fast:
                     cmd += ["--warmup-rate", "1gbit"]
-            log = open(out / f"rank{r}.log", "w")
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            with open(out / f"rank{r}.log", "w") as log:
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             _ACTIVE_PROCS.append(procs[-1])
-            log.close()
         deadline = time.monotonic() + args.timeout
         while any(p.poll() is None for p in procs):
             failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
@@ -192,7 +225,13 @@ def run_config(args: argparse.Namespace, codecs: list[str], hosts: int, rate: st
     for r in range(hosts):
         f = out / f"rank{r}.json"
         ranks.append(json.loads(f.read_text()) if f.exists() else [])
-    return {"hosts": hosts, "rate": rate or "loopback", "ranks": ranks, "error": error, "wall_s": time.perf_counter() - t0}
+    return {
+        "hosts": hosts,
+        "rate": rate or "loopback",
+        "ranks": ranks,
+        "error": error,
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 def _has(tool: str) -> bool:
@@ -264,9 +303,12 @@ def main(args: argparse.Namespace) -> int:
     if not args.loopback:
         ok, why = netns.available()
         if not ok:
-            print(f"link: cannot build network namespaces ({why}); running in loopback mode instead: no "
-                  "shaping, all ranks on 127.0.0.1, so the numbers show codec overhead only. Run as root with "
-                  "iproute2 (`ip`, `tc`) for a real slow link.", file=sys.stderr)
+            print(
+                f"link: cannot build network namespaces ({why}); running in loopback mode instead: no "
+                "shaping, all ranks on 127.0.0.1, so the numbers show codec overhead only. Run as root with "
+                "iproute2 (`ip`, `tc`) for a real slow link.",
+                file=sys.stderr,
+            )
             args.loopback = True
     if args.loopback:
         rates = [None]
@@ -288,9 +330,9 @@ def main(args: argparse.Namespace) -> int:
                 cfg = run_config(args, codecs, h, rate, out / "runs" / name)
                 if cfg["error"]:
                     print(f"link: {name}: {cfg['error']}", file=sys.stderr)
-                same = lambda d: d["hosts"] == h and d["rate"] == cfg["rate"] and d.get("model", args.model) == args.model  # noqa: E731
-                configs = [c for c in configs if not same(c)] + [{**cfg, "model": args.model}]
-                rows = [r for r in rows if not same(r)] + rows_of(cfg, args.model)
+                key = (h, cfg["rate"], args.model)
+                configs = [c for c in configs if _key(c, args.model) != key] + [{**cfg, "model": args.model}]
+                rows = [r for r in rows if _key(r, args.model) != key] + rows_of(cfg, args.model)
                 write_results(out, rows, configs, args)
     finally:
         _teardown_all()
@@ -301,12 +343,28 @@ def main(args: argparse.Namespace) -> int:
     return 1 if any(c["error"] for c in configs) else 0
 
 
-def write_results(out: Path, rows: list[dict[str, Any]], configs: list[dict[str, Any]], args: argparse.Namespace) -> None:
+def _key(d: dict[str, Any], model: str) -> tuple[int, str, str]:
+    return d["hosts"], d["rate"], d.get("model", model)
+
+
+def write_results(
+    out: Path, rows: list[dict[str, Any]], configs: list[dict[str, Any]], args: argparse.Namespace
+) -> None:
     meta = {
-        "benchmark": "link", "model": args.model, "batch_size": args.batch_size, "mode": "loopback" if args.loopback else "netns",
-        "fast_warmup": not args.no_fast_warmup, "burst": netns.BURST, "latency": netns.LATENCY,
-        "cores_per_rank": 1, "machine": machine_info(), "argv": getattr(args, "argv", sys.argv[1:]),
-        "steps": args.steps, "min_steps": args.min_steps, "budget_s": args.budget_s, "warmup": args.warmup,
+        "benchmark": "link",
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "mode": "loopback" if args.loopback else "netns",
+        "fast_warmup": not args.no_fast_warmup,
+        "burst": netns.BURST,
+        "latency": netns.LATENCY,
+        "cores_per_rank": 1,
+        "machine": machine_info(),
+        "argv": getattr(args, "argv", sys.argv[1:]),
+        "steps": args.steps,
+        "min_steps": args.min_steps,
+        "budget_s": args.budget_s,
+        "warmup": args.warmup,
     }
     write_json(out / "link.json", {"meta": meta, "rows": rows, "runs": configs})
     write_csv(out / "link.csv", rows)

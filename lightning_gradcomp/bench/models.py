@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MODELS", "DEFAULT_BATCH", "build_model", "synthetic_batch", "loss_fn"]
+__all__ = ["DEFAULT_BATCH", "MODELS", "build_model", "loss_fn", "synthetic_batch"]
 
 MODELS = ("resnet18", "pspnet", "tiny")
 #: per-rank batch used when none is given: ResNet-18 as in the reference measurements

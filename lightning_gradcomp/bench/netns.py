@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import subprocess
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["PREFIX", "Topology", "available", "cleanup", "list_namespaces", "parse_rate"]
 
@@ -39,7 +39,7 @@ def parse_rate(rate: str) -> float:
 
 
 def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
-    out = subprocess.run(list(cmd), capture_output=True, text=True)
+    out = subprocess.run(list(cmd), capture_output=True, text=True, check=False)
     if check and out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr.strip()}")
     return out
@@ -115,7 +115,7 @@ class Topology:
         self.made: list[str] = []
 
     # ----------------------------------------------------------------------------------------------
-    def up(self) -> "Topology":
+    def up(self) -> Topology:
         try:
             for ns in self.namespaces + ([self.bridge] if self.bridge else []):
                 _run(["ip", "netns", "add", ns])
@@ -123,14 +123,46 @@ class Topology:
                 _run(["ip", "-n", ns, "link", "set", "lo", "up"])
             if self.bridge is None:
                 a, b = self.namespaces
-                _run(["ip", "-n", a, "link", "add", self.ifaces[0], "type", "veth", "peer", "name", self.ifaces[1], "netns", b])
+                _run(
+                    [
+                        "ip",
+                        "-n",
+                        a,
+                        "link",
+                        "add",
+                        self.ifaces[0],
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        self.ifaces[1],
+                        "netns",
+                        b,
+                    ]
+                )
             else:
                 br = self.bridge
                 _run(["ip", "-n", br, "link", "add", "br0", "type", "bridge"])
                 _run(["ip", "-n", br, "link", "set", "br0", "up"])
                 for i, ns in enumerate(self.namespaces):
                     port = f"p{i}"
-                    _run(["ip", "-n", ns, "link", "add", self.ifaces[i], "type", "veth", "peer", "name", port, "netns", br])
+                    _run(
+                        [
+                            "ip",
+                            "-n",
+                            ns,
+                            "link",
+                            "add",
+                            self.ifaces[i],
+                            "type",
+                            "veth",
+                            "peer",
+                            "name",
+                            port,
+                            "netns",
+                            br,
+                        ]
+                    )
                     _run(["ip", "-n", br, "link", "set", port, "master", "br0"])
                     _run(["ip", "-n", br, "link", "set", port, "up"])
             for ns, iface, addr in zip(self.namespaces, self.ifaces, self.addrs):
@@ -156,7 +188,7 @@ class Topology:
         while self.made:
             _run(["ip", "netns", "del", self.made.pop()], check=False)
 
-    def __enter__(self) -> "Topology":
+    def __enter__(self) -> Topology:
         return self.up()
 
     def __exit__(self, *exc: object) -> None:

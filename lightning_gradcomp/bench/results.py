@@ -7,10 +7,11 @@ import json
 import math
 import os
 import platform
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-__all__ = ["Column", "format_table", "markdown_table", "write_json", "write_csv", "read_json", "machine_info"]
+__all__ = ["Column", "format_table", "machine_info", "markdown_table", "read_json", "write_csv", "write_json"]
 
 
 class Column:

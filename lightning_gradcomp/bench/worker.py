@@ -69,7 +69,11 @@ class NoCommCodec(Codec):
         buf = bucket.buffer()
         raw = buf.numel() * buf.element_size()
         state.stats.add(
-            buckets=1, compressed=True, raw_bytes=raw, payload_bytes=0, wire_bytes=0.0,
+            buckets=1,
+            compressed=True,
+            raw_bytes=raw,
+            payload_bytes=0,
+            wire_bytes=0.0,
             raw_wire_bytes=wire_bytes("allreduce", raw, state.world_size),
         )
         return completed_future(buf)
@@ -144,8 +148,12 @@ class StepRecorder(CompressionMonitor):
         rec = {"step_s": dt, "compressed": compressed}
         if st is not None:
             rec.update(
-                comm_ms=1e3 * st.comm_s, encode_ms=1e3 * st.encode_s, decode_ms=1e3 * st.decode_s,
-                wire_bytes=st.wire_bytes, raw_wire_bytes=st.raw_wire_bytes, buckets=st.buckets,
+                comm_ms=1e3 * st.comm_s,
+                encode_ms=1e3 * st.encode_s,
+                decode_ms=1e3 * st.decode_s,
+                wire_bytes=st.wire_bytes,
+                raw_wire_bytes=st.raw_wire_bytes,
+                buckets=st.buckets,
                 extra={k: float(v) for k, v in st.extra.items()},
             )
         self.steps.append(rec)
@@ -217,17 +225,31 @@ def run_codec(name: str, options: dict[str, Any], args: argparse.Namespace, link
     loader = DataLoader([batch] * max_steps, batch_size=None)
     strategy = CompressedDDPStrategy(codec=codec, process_group_backend="gloo", init_sync=False)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, num_nodes=int(os.environ.get("WORLD_SIZE", "1")), strategy=strategy,
-        max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[recorder], use_distributed_sampler=False,
-        num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        devices=1,
+        num_nodes=int(os.environ.get("WORLD_SIZE", "1")),
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
     t0 = time.perf_counter()
     trainer.fit(module, loader)
     result = {
-        "codec": name, "options": codec.options(), "collective": codec.collective,
-        "warmup_steps": recorder.warmup_steps, "warmup_exhausted": recorder.warmup_exhausted,
-        "rel_error": recorder.rel_error, "wall_s": time.perf_counter() - t0, "steps": recorder.steps,
+        "codec": name,
+        "options": codec.options(),
+        "collective": codec.collective,
+        "warmup_steps": recorder.warmup_steps,
+        "warmup_exhausted": recorder.warmup_exhausted,
+        "rel_error": recorder.rel_error,
+        "wall_s": time.perf_counter() - t0,
+        "steps": recorder.steps,
         "params": sum(p.numel() for p in module.parameters() if p.requires_grad),
     }
     result.update(summarize(recorder.steps))
@@ -276,8 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in [c for c in args.codecs.split(",") if c]:
         results.append(run_codec(name, dict(all_options.get(name, {})), args, link))
         r = results[-1]
-        print(f"[rank {rank}] {name}: " + (f"error: {r['error']}" if "error" in r else
-              f"median step {r.get('step_s', float('nan')):.3f} s over {r['measured_steps']} steps"), file=sys.stderr, flush=True)
+        print(
+            f"[rank {rank}] {name}: "
+            + (
+                f"error: {r['error']}"
+                if "error" in r
+                else f"median step {r.get('step_s', float('nan')):.3f} s over {r['measured_steps']} steps"
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
         (out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
