@@ -1,0 +1,31 @@
+"""``python -m lightning_gradcomp.bench {link,codecs,accuracy,plot} [options]``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "link": "step time over a real shaped network (namespaces + tc), every codec against the floor",
+    "codecs": "encode + decode cost of each codec on real gradients, one process",
+    "accuracy": "task metric against bytes sent: the recipes with a fixed budget per codec",
+    "plot": "figures and docs/benchmarks.md tables from the JSON results",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_gradcomp.bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in COMMANDS.items():
+        mod = importlib.import_module(f"lightning_gradcomp.bench.{name}")
+        p = sub.add_parser(name, help=help_text, description=mod.__doc__.split("\n\n")[0])
+        mod.add_arguments(p)
+        p.set_defaults(_module=mod)
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded with the results
+    return int(args._module.main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
