@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gradcomp.codecs.base import Codec, CodecContext, EncodeResult, check_choice, check_fraction
+from lightning_gradcomp.codecs.sampling import select_top
 from lightning_gradcomp.registry import register_codec
 
 __all__ = [
@@ -103,38 +104,6 @@ def importance(a: Tensor, w: Tensor, eps: float, out: Tensor | None = None) -> T
     out.add_(eps_l)
     torch.div(a, out, out=out)
     return out.abs_()
-
-
-def select_top(s: Tensor, k: int, sample_fraction: float = 0.01, generator: torch.Generator | None = None) -> Tensor:
-    """Sorted positions of the ``k`` largest entries of ``s`` (int64, exactly ``k`` of them).
-
-    Exact top-k over millions of values costs more than a step's budget, so a threshold ``t`` is
-    estimated from a random sample (as in DGC) so that somewhat more than ``k`` entries pass,
-    then ``s >= t`` gives the candidates and an exact top-k among those fixes the count. When at
-    least ``k`` entries pass, the candidates contain the true top ``k``, so the result is the same
-    as exact top-k (up to ties); when fewer pass (an unlucky sample, NaN), exact top-k runs.
-    """
-    n = s.numel()
-    if k >= n:
-        return torch.arange(n, device=s.device)
-    m = math.ceil(sample_fraction * n) if sample_fraction > 0 else 0
-    if m >= 1024 and m < n:
-        # aim at k + 25% + 4 sigma of the sampling noise of the count above the threshold
-        target = min(n, math.ceil(1.25 * k + 4.0 * math.sqrt(k)))
-        j = max(1, min(m, round(m * target / n)))  # rank from the top inside the sample
-        sample = s[torch.randint(n, (m,), device=s.device, generator=generator)]
-        t = sample.kthvalue(m - j + 1).values
-        cand = torch.nonzero(s >= t).squeeze(1)
-        c = cand.numel()
-        if c >= k:
-            if c > k:  # keep the k largest candidates, in position order (no sort needed)
-                vals = s[cand]
-                v = vals.kthvalue(c - k + 1).values  # the k-th largest value
-                above = vals > v
-                tied = vals == v  # ties at v: the first ones by position fill the count
-                cand = cand[above | (tied & (tied.cumsum(0) <= k - int(above.sum())))]
-            return cand
-    return torch.topk(s, k, sorted=False).indices.sort().values
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ run draws the same numbers as an uninterrupted one.
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Any
 
 import torch
@@ -23,14 +22,8 @@ from torch import Tensor
 
 from lightning_gradcomp.codecs.base import Codec, EncodeResult, check_positive_int
 from lightning_gradcomp.codecs.bits import pack_bits, unpack_bits
+from lightning_gradcomp.codecs.sampling import seeded_generator
 from lightning_gradcomp.registry import register_codec
-
-
-def seeded_generator(seed: int, rank: int, step: int, key: str, device: torch.device) -> torch.Generator:
-    """A generator whose stream depends only on its arguments (reproducible across resumes)."""
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + rank * 10_007 + step * 101 + zlib.crc32(key.encode())) % (2**63))
-    return g
 
 
 @register_codec("qsgd")

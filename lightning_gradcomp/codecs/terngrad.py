@@ -18,7 +18,7 @@ from torch import Tensor
 
 from lightning_gradcomp.codecs.base import Codec, EncodeResult
 from lightning_gradcomp.codecs.bits import pack_bits, unpack_bits
-from lightning_gradcomp.codecs.qsgd import seeded_generator
+from lightning_gradcomp.codecs.sampling import seeded_generator
 from lightning_gradcomp.registry import register_codec
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.codecs.base import Codec, EncodeResult, check_fraction
+from lightning_gradcomp.codecs.sampling import seeded_generator, select_top
 from lightning_gradcomp.registry import register_codec
 
 
@@ -27,22 +28,30 @@ class TopKCodec(Codec):
 
     Args:
         ratio: fraction of each layer's entries sent (default 0.01, the common 1% setting).
+        sample_fraction: size of the random sample that estimates the selection threshold; the
+            selection is exact either way, this only changes speed (0: plain ``torch.topk``).
+        seed: seed of that sample.
         **kwargs: the common codec options; error feedback is on by default.
     """
 
     collective = "allgather"
     default_error_feedback = True
 
-    def __init__(self, ratio: float = 0.01, **kwargs: Any) -> None:
+    def __init__(self, ratio: float = 0.01, sample_fraction: float = 0.01, seed: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.ratio = check_fraction("ratio", ratio)
+        self.sample_fraction = check_fraction("sample_fraction", sample_fraction, low_open=False)
+        self.seed = int(seed)
 
     def k_for(self, numel: int) -> int:
         return max(1, min(numel, math.ceil(self.ratio * numel)))
 
     def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
         k = self.k_for(x.numel())
-        _, idx = torch.topk(x.abs(), k, sorted=False)
+        # exact top-k, found through a sampled threshold (torch.topk over millions of entries
+        # costs more than a step's budget on a CPU core; see sampling.select_top)
+        gen = seeded_generator(self.seed, self.rank, step, key, x.device)
+        idx = select_top(x.abs(), k, self.sample_fraction, gen)
         values = x[idx]
         local = torch.zeros_like(x)
         local[idx] = values
