@@ -124,7 +124,13 @@ class StepRecorder(CompressionMonitor):
         self.link.set(self.link.warmup_rate)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        trainer.strategy.hook_state.stats_every = 1 if self.phase == "probe" else _NEVER
+        state = trainer.strategy.hook_state
+        state.stats_every = 1 if self.phase == "probe" else _NEVER
+        if self.phase == "warmup" and state.compressing(state.step + 1) and state.fallback.enabled:
+            # The fallback compares this bucket's last plain step with its first compressed steps:
+            # both must run at the rate being measured, or a decision taken on the fast warm-up
+            # link would be applied to the slow one.
+            self.link.set(self.link.rate)
         self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -138,7 +144,11 @@ class StepRecorder(CompressionMonitor):
             return
         if self.phase == "warmup":
             self.warmup_steps += 1
-            ready = self.warmup_steps >= self.args.warmup and (compressed or not self.will_compress)
+            fallback = state.fallback
+            decided = fallback.decided or not fallback.enabled  # measure what runs after the decision
+            ready = self.warmup_steps >= self.args.warmup and ((compressed and decided) or not self.will_compress)
+            if fallback.decided and fallback.fallback and not compressed:
+                ready = self.warmup_steps >= self.args.warmup  # every bucket fell back: plain from now on
             if not ready and self.warmup_steps >= self.args.max_warmup:
                 ready = self.warmup_exhausted = True
             if ready:
@@ -248,6 +258,8 @@ def run_codec(name: str, options: dict[str, Any], args: argparse.Namespace, link
         "warmup_steps": recorder.warmup_steps,
         "warmup_exhausted": recorder.warmup_exhausted,
         "rel_error": recorder.rel_error,
+        "fallback_decided": strategy.hook_state.fallback.decided,
+        "fallback_buckets_total": len(strategy.hook_state.fallback.fallback),
         "wall_s": time.perf_counter() - t0,
         "steps": recorder.steps,
         "params": sum(p.numel() for p in module.parameters() if p.requires_grad),
