@@ -95,42 +95,43 @@ def rf_quantize(
         ``(header, codes)``: header is int32 ``[b, e]``; codes are int32 in ``[0, 2^bits)``, the sign
         in the top bit. See the module docstring for the format and its error bound.
     """
-    v = values.reshape(-1).to(torch.float32)
-    a = v.abs()
+    v = values.reshape(-1).to(torch.float32).contiguous()
+    # Work on the fp32 bit patterns: for non-negative floats the int32 order is the float order,
+    # the exponent field is floor(log2 |v|) + 127, and scaling by 2^-b is subtracting b from it.
+    ai = v.view(torch.int32) & 0x7FFFFFFF
     e_cap = _default_max_exponent_bits(bits) if max_exponent_bits is None else max_exponent_bits
-    if a.numel() == 0:
-        amax = 0.0
-    else:
-        amax = float(a.max())
-    if not math.isfinite(amax) or amax == 0.0:  # all zero (or non-finite: the hook discards it)
+    amax_bits = int(ai.max()) if ai.numel() else 0
+    if amax_bits == 0 or amax_bits >= 0x7F800000:  # all zero (or non-finite: the hook discards it)
         b, e = 0, exponent_bits or e_cap
     else:
-        top = math.frexp(amax)[1] - 1  # floor(log2 amax), exact
+        top = math.frexp(torch.tensor(amax_bits, dtype=torch.int32).view(torch.float32).item())[1] - 1
         if exponent_bits is None:
-            amin = float(torch.where(a > 0, a, torch.full_like(a, math.inf)).min())
+            # smallest non-zero magnitude: zeros wrap to the largest int by the -1, & mask
+            amin = float(((ai - 1) & 0x7FFFFFFF).min().add_(1).view(torch.float32))
             span = top - (math.frexp(amin)[1] - 1) + 1  # binades to cover as normals
             e = min(e_cap, max(1, math.ceil(math.log2(span + 1))))
         else:
             e = exponent_bits
         b = max(_MIN_BIAS, top - 2**e + 2)
     m = bits - 1 - e
-    s = a * (2.0**-b)  # exact: a power-of-two scale; the smallest normal of the format is now 1
-    # Normals (s >= 1) are rounded on the fp32 bit pattern: dropping 23 - m mantissa bits with
-    # rounding turns (fp32 exponent, mantissa) into (exponent, m-bit mantissa), and a carry out of the
-    # mantissa lands exactly on the next binade's first code. Subnormals (s < 1) are multiples of 2^-m.
     shift = 23 - m
-    si = s.view(torch.int32)
-    sub = s * float(2**m)
+    # normals (|v| >= 2^b): drop 23 - m mantissa bits with rounding; a carry out of the mantissa lands
+    # on the next binade's first code. fp32 exponent field 127 + b + k (binade k) becomes E = k + 1.
     if rounding == "nearest":
-        si = si + (1 << (shift - 1))
-        sub = torch.round(sub)
+        normal = ai + (1 << (shift - 1))
     else:
-        si = si + torch.randint(0, 1 << shift, si.shape, generator=generator, device=si.device, dtype=torch.int32)
-        sub = torch.floor(sub + torch.rand(sub.shape, generator=generator, device=sub.device))
-    # fp32 biased exponent 127 + k (binade k >= 0) maps to our E = k + 1
-    mag = torch.where(s >= 1.0, (si >> shift) - (126 << m), sub.to(torch.int32))
+        normal = ai + torch.randint(0, 1 << shift, ai.shape, generator=generator, device=ai.device, dtype=torch.int32)
+    normal = normal.bitwise_right_shift_(shift).sub_((126 + b) << m)
+    # subnormals (|v| < 2^b): multiples of 2^(b-m)
+    sub = ai.view(torch.float32) * 2.0 ** (m - b)
+    if rounding == "nearest":
+        sub = sub.round_()
+    else:
+        sub = sub.add_(torch.rand(sub.shape, generator=generator, device=sub.device)).floor_()
+    mag = torch.where(ai >= ((127 + b) << 23), normal, sub.to(torch.int32))
     mag = mag.clamp_(max=(1 << (bits - 1)) - 1)  # saturate (only reachable by rounding up the largest value)
-    codes = mag | ((v < 0).to(torch.int32) << (bits - 1))
+    sign = v.view(torch.int32).bitwise_right_shift(31).bitwise_and_(1 << (bits - 1))  # arithmetic shift
+    codes = mag.bitwise_or_(sign)
     header = torch.tensor([b, e], dtype=torch.int32, device=v.device)
     return header, codes
 
@@ -141,10 +142,13 @@ def rf_dequantize(header: Tensor, codes: Tensor, bits: int) -> Tensor:
     m = bits - 1 - e
     codes = codes.to(torch.int32)
     mag = codes & ((1 << (bits - 1)) - 1)
-    # normals back to an fp32 bit pattern (E = k + 1 -> biased exponent 127 + k), subnormals f * 2^-m
-    normal = ((mag + (126 << m)) << (23 - m)).view(torch.float32)
-    val = torch.where(mag >= (1 << m), normal, mag.to(torch.float32) * 2.0**-m) * 2.0**b
-    return torch.where(codes >> (bits - 1) == 1, -val, val)
+    # normals back to an fp32 bit pattern (E = k + 1 -> exponent field 127 + b + k), subnormals f 2^(b-m)
+    normal = (mag + ((126 + b) << m)).bitwise_left_shift_(23 - m)
+    sub = (mag.to(torch.float32) * 2.0 ** (b - m)).view(torch.int32)
+    out = torch.where(mag >= (1 << m), normal, sub)
+    out.bitwise_or_(codes.bitwise_right_shift(bits - 1).bitwise_left_shift_(31))
+    return out.view(torch.float32)
+
 
 @dataclass(frozen=True)
 class RangeFloat:
