@@ -5,7 +5,7 @@ no max-pool) on a batch of 32 real CIFAR-10 images from ``../shared/data/cifar10
 images when it is absent). Layers below ``min_numel`` (1,024) travel as fp32 and count in the ratio.
 
     python scripts/measure_fft.py                      # the default table
-    python scripts/measure_fft.py --block-sizes 256 1024 4096 --thetas 0.9
+    python scripts/measure_fft.py --block-sizes 256 1024 4096 --selections layer block --no-baselines
 """
 
 from __future__ import annotations
@@ -86,6 +86,8 @@ def main() -> None:
     parser.add_argument("--thetas", type=float, nargs="+", default=[0.0, 0.9, 0.99])
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[1024])
     parser.add_argument("--bits", type=int, nargs="+", default=[8])
+    parser.add_argument("--selections", nargs="+", default=["layer"])
+    parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -93,12 +95,17 @@ def main() -> None:
 
     grads = resnet18_grads()
     print(f"{sum(g.numel() for g in grads.values()):,} gradient values in {len(grads)} tensors")
-    print("codec            setting                       ratio  rel_error  enc+dec ms (best of repeats)")
-    for B in args.block_sizes:
-        for bits in args.bits:
-            for theta in args.thetas:
-                m = measure(grads, make_codec("fft", theta=theta, block_size=B, bits=bits), args.repeats)
-                print(f"fft              theta={theta:<5} B={B:<5} bits={bits:<3}  {m['ratio']:7.1f}  {m['rel_error']:9.4f}  {m['ms']:8.1f}")
+    print("codec            setting                         ratio  rel_error  enc+dec ms (best of repeats)")
+    for sel in args.selections:
+        for B in args.block_sizes:
+            for bits in args.bits:
+                for theta in args.thetas:
+                    codec = make_codec("fft", theta=theta, block_size=B, bits=bits, selection=sel)
+                    m = measure(grads, codec, args.repeats)
+                    setting = f"{sel} theta={theta} B={B} bits={bits}"
+                    print(f"fft              {setting:<29} {m['ratio']:7.1f}  {m['rel_error']:9.4f}  {m['ms']:8.1f}")
+    if args.no_baselines:
+        return
     for name, opts in (("topk", {"ratio": 0.01}), ("topk", {"ratio": 0.04}), ("rangefloat", {"bits": 8}), ("rangefloat", {"bits": 10})):
         m = measure(grads, make_codec(name, **opts), args.repeats)
         setting = " ".join(f"{k}={v}" for k, v in opts.items())

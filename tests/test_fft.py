@@ -62,20 +62,40 @@ def reference_blockwise_topk(x: torch.Tensor, theta: float, B: int) -> torch.Ten
     return torch.fft.irfft(torch.where(keep, X, torch.zeros_like(X)), n=B, dim=1).reshape(-1)[:n]
 
 
-@pytest.mark.parametrize("theta, B, positions", [(0.9, 1024, "bitmap"), (0.99, 1024, "indices"), (0.5, 256, "bitmap")])
-def test_sparsification_keeps_the_largest_coefficients_of_each_block(theta, B, positions):
-    x = grad_like(9000, seed=1)
-    codec = make_codec("fft", theta=theta, block_size=B, bits=None)
+def reference_layer_topk(x: torch.Tensor, theta: float, B: int) -> torch.Tensor:
+    n = x.numel()
+    nb = -(-n // B)
+    X = torch.fft.rfft(torch.nn.functional.pad(x, (0, nb * B - n)).view(nb, B), dim=1).reshape(-1)
+    K = X.numel() - int(theta * X.numel())
+    keep = torch.zeros(X.numel(), dtype=torch.bool)
+    keep[X.abs().topk(K).indices] = True
+    return torch.fft.irfft(torch.where(keep, X, torch.zeros_like(X)).view(nb, -1), n=B, dim=1).reshape(-1)[:n]
+
+
+@pytest.mark.parametrize(
+    "theta, B, selection, n, positions",
+    [
+        (0.9, 1024, "block", 9000, "bitmap"),
+        (0.99, 1024, "block", 9000, "indices"),
+        (0.5, 256, "block", 9000, "bitmap"),
+        (0.9, 256, "layer", 9000, "bitmap"),  # small layer: exact top-K
+        (0.99, 1024, "layer", 300_000, "indices"),  # sampled threshold, then exact top-K
+        (0.9, 4096, "layer", 300_000, "bitmap"),
+    ],
+)
+def test_sparsification_keeps_the_largest_coefficients(theta, B, selection, n, positions):
+    x = grad_like(n, seed=1)
+    codec = make_codec("fft", theta=theta, block_size=B, bits=None, selection=selection)
     out, enc = roundtrip(codec, x)
     assert enc.ctx[3] == positions  # 'auto' takes the smaller encoding, deterministically
-    ref = reference_blockwise_topk(x, theta, B)
+    ref = (reference_blockwise_topk if selection == "block" else reference_layer_topk)(x, theta, B)
     assert torch.allclose(out, ref, atol=1e-6 * float(x.abs().max()))
     # dropping coefficients loses energy but never adds any (Parseval, orthogonal projection)
     assert float(out.norm()) < float(x.norm())
 
 
 def test_messages_have_a_fixed_size_and_the_stated_ratio():
-    codec = make_codec("fft", theta=0.9)  # B = 1024, 8 bits
+    codec = make_codec("fft", theta=0.9, block_size=1024)  # 8 bits
     sizes = set()
     for seed in range(4):
         enc = codec.encode(grad_like(100_000, seed) * (10.0**seed), "w", None, 5)
@@ -87,7 +107,7 @@ def test_messages_have_a_fixed_size_and_the_stated_ratio():
     assert 22 < 400_000 / nbytes < 25
     codec.theta = 0.99
     enc = codec.encode(grad_like(100_000), "w", None, 5)
-    assert enc.ctx[2:] == (6, "indices") and 400_000 / sum(p.numel() * p.element_size() for p in enc.payload) > 150
+    assert enc.ctx[2:] == (98 * 6, "indices") and 400_000 / sum(p.numel() * p.element_size() for p in enc.payload) > 150
 
 
 def test_aggregate_is_the_sum_of_decodes():
@@ -105,9 +125,9 @@ def test_theta_is_a_live_knob_capped_by_the_compression_limit():
     h = codec.config_hash()
     codec.theta = 0.5
     assert codec.config_hash() == h  # theta changes during training; setup checks the rest
-    assert codec.layout(4096)[2] == 257
+    assert codec.layout(4096)[2] == 1025  # one block of 2049 coefficients
     codec.compression_limit = 0.3
-    assert codec.compression_level == 0.3 and codec.layout(4096)[2] == 513 - int(0.3 * 513)
+    assert codec.compression_level == 0.3 and codec.layout(4096)[2] == 2049 - int(0.3 * 2049)
     state = codec.state_dict()
     fresh = make_codec("fft")
     fresh.load_state_dict(state)
@@ -125,6 +145,7 @@ def test_theta_is_a_live_knob_capped_by_the_compression_limit():
         ({"block_size": 8}, "block_size"),
         ({"bits": 2}, "bits"),
         ({"positions": "csr"}, "positions"),
+        ({"selection": "row"}, "selection"),
         ({"rounding": "down"}, "rounding"),
     ],
 )

@@ -128,7 +128,7 @@ def test_stochastic_rounding_is_unbiased():
     assert abs(float(nearest[1:].double().mean()) - 4.0 / 3.0) > 5e-3  # biased, for contrast
 
 
-@pytest.mark.parametrize("bits", [4, 7, 8, 9, 10, 12, 16])
+@pytest.mark.parametrize("bits", [4, 7, 8, 9, 10, 12, 16, 21, 24])
 def test_code_packing_round_trips(bits):
     codes = torch.randint(0, 2**bits, (1001,), dtype=torch.int32)
     packed = pack_codes(codes, bits)

@@ -58,15 +58,18 @@ def _default_max_exponent_bits(bits: int) -> int:
 def pack_codes(codes: Tensor, bits: int) -> Tensor:
     """Pack ``bits``-bit codes into ``codes_nbytes(n, bits)`` bytes.
 
-    Widths above 8 are split into planes (our choice, for speed): the low byte of every code, then
-    the high ``bits - 8`` bits packed by :func:`~lightning_gradcomp.codecs.bits.pack_bits`. The size
-    is ``n + ceil(n (bits - 8) / 8)`` bytes, at most one byte above the dense ``ceil(n bits / 8)``.
+    Widths above 8 (up to 31) are split into planes (our choice, for speed): the low byte of every
+    code, then the high ``bits - 8`` bits packed the same way (bytes, then
+    :func:`~lightning_gradcomp.codecs.bits.pack_bits` for the last plane). The size is at most a few
+    bytes above the dense ``ceil(n bits / 8)``.
     """
+    if not 1 <= bits <= 31:
+        raise ValueError(f"bits must be in [1, 31], got {bits}")
     if bits <= 8:
         return pack_bits(codes, bits)
     codes = codes.reshape(-1).to(torch.int32)
     low = (codes & 0xFF).to(torch.uint8)
-    return torch.cat([low, pack_bits(codes >> 8, bits - 8)])
+    return torch.cat([low, pack_codes(codes >> 8, bits - 8)])
 
 
 def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
@@ -74,11 +77,11 @@ def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
     if bits <= 8:
         return unpack_bits(packed, bits, n)
     low = packed[:n].to(torch.int32)
-    return low | (unpack_bits(packed[n:], bits - 8, n) << 8)
+    return low | (unpack_codes(packed[n:], bits - 8, n) << 8)
 
 
 def codes_nbytes(n: int, bits: int) -> int:
-    return packed_nbytes(n, bits) if bits <= 8 else n + packed_nbytes(n, bits - 8)
+    return packed_nbytes(n, bits) if bits <= 8 else n + codes_nbytes(n, bits - 8)
 
 
 def rf_quantize(
