@@ -84,9 +84,9 @@ def measure(grads: dict[str, torch.Tensor], codec, repeats: int = 3) -> dict[str
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--thetas", type=float, nargs="+", default=[0.0, 0.9, 0.99])
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[1024])
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[4096])
     parser.add_argument("--bits", type=int, nargs="+", default=[8])
-    parser.add_argument("--selections", nargs="+", default=["layer"])
+    parser.add_argument("--selections", nargs="+", default=["block"])
     parser.add_argument("--no-baselines", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
