@@ -123,10 +123,6 @@ class FFTCodec(Codec):
 
     # ----------------------------------------------------------------------------------------------
     # the compression knob (AdjustableCompression)
-    def options(self) -> dict[str, Any]:
-        # theta changes during training (ThetaDecay, rollbacks); the setup-time check compares the rest
-        return {k: v for k, v in super().options().items() if k != "theta"}
-
     @property
     def effective_theta(self) -> float:
         return min(self.theta, self._limit)
