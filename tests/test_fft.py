@@ -220,3 +220,13 @@ def test_theta_zero_without_quantization_matches_dense_ddp(gloo_runs):
             assert torch.equal(out, out1[name])
         if step >= 2:
             assert all(float(r.abs().max()) < 1e-6 for r in n0.values())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_input_encodes_without_error(bad):
+    # the hook detects non-finite buckets through its flag and discards them; encode must not raise
+    x = grad_like(5000)
+    x[17] = bad
+    codec = make_codec("fft", theta=0.9, block_size=1024)
+    enc = codec.encode(x, "w", x, 5)
+    assert sum(p.numel() * p.element_size() for p in enc.payload) == codec.payload_nbytes(5000) + 8
