@@ -1,0 +1,305 @@
+"""``fft``: FFT-based gradient sparsification with range-based float quantization.
+
+Wang et al., "FFT-based Gradient Sparsification for the Distributed Training of Deep Neural
+Networks", HPDC'20 (preprint arXiv:1811.08596). Per layer:
+
+1. ``x`` (gradient plus residual, flat fp32, ``n`` values) is cut into blocks of ``block_size`` ``B``
+   (the last one zero-padded) and each block goes to the frequency domain, ``X = rfft(x_blk)``:
+   ``C = B/2 + 1`` complex coefficients per block.
+2. Sparsify: in every block the ``k = C - floor(theta * C)`` coefficients of largest ``|X_j|`` are kept,
+   the fraction ``theta`` with the smallest magnitude dropped (``selection="layer"``: the
+   ``N - floor(theta N)`` largest of the whole layer's ``N = nb C`` coefficients instead).
+3. The real and imaginary parts of the kept coefficients are quantized with the range-based float
+   (:mod:`lightning_gradcomp.codecs.rangefloat`, one range per layer) or sent as fp32 (``bits=None``).
+4. Positions travel as a bitmap (``C`` bits a block) or as indices (block-local, ``ceil(log2 C)``
+   bits each; layer-wide with ``selection="layer"``), whichever is smaller for the given ``n``, ``B``
+   and ``theta`` (``positions="auto"``); with ``theta = 0`` nothing.
+5. The receiver scatters the values into a zero spectrum and inverts it, ``irfft(X, n=B)``.
+
+Our choices (the paper leaves them open or its text was not available):
+
+* **Fixed-size blocks, not one FFT per layer or bucket.** A layer's length often has a large prime
+  factor (ResNet-18's flattened parameters: 2·3·1,863,607), and the FFT of such a length costs ~45x
+  more than blocks of 1,024-4,096 (measured: 2.9 s against 65 ms for all of ResNet-18 on one core).
+  ``B = 4096`` by default: measured on ResNet-18 gradients (CIFAR shape, 8-bit values) blocks of
+  256, 1,024 and 4,096 reconstruct almost equally well (relative error 0.714, 0.710, 0.708 at
+  theta = 0.9), 4,096 compresses best at high theta (187x against 178x and 149x at theta = 0.99:
+  fewer blocks round ``k`` up) and its transforms are the cheapest (65 ms against 74 ms for 1,024).
+* **A fixed count per block** (``torch.topk`` along the block dimension) by default. Measured on
+  ResNet-18 gradients it reconstructs as well as a layer-wide top-K (relative error 0.708 against
+  0.706 at theta = 0.9, 0.852 against 0.851 at 0.99), costs no more (a single exact top-K over a
+  layer's spectrum costs more than the whole step budget; the layer-wide option uses a sampled
+  threshold first), and its block-local positions need 12 bits instead of up to 21, so theta = 0.99
+  compresses 187x instead of 154x. Either way every message has the same size on every rank.
+* **Magnitude selection of complex coefficients**: a coefficient keeps both its real and imaginary
+  part. The DC and Nyquist bins are real; their (zero) imaginary part is sent as a zero code, which
+  wastes at most two slots a block.
+* **Collective: all-gather** of the fixed-size payloads. Kept positions differ between ranks and
+  the range-based codes are not summable, so a plain all-reduce is impossible. Each rank receives
+  ``(N - 1)`` payloads of ``P`` bytes, ``(N - 1) P`` in all, against ``2 (N - 1)/N · 4n`` for a ring
+  all-reduce of the dense gradient: the all-gather sends less while the compression ratio
+  ``4n / P`` exceeds ``N / 2`` (about 24x at ``theta = 0.9`` with 8 bits, so up to ~48 ranks), and
+  decoding costs grow with ``N`` too (one scatter per rank; the spectra are summed before a single
+  inverse FFT, the FFT being linear).
+* **Error feedback** (on by default): the residual keeps what the sparsification and the
+  quantization dropped.
+
+``theta`` is a live knob: set ``codec.theta`` (as :class:`~lightning_gradcomp.callbacks.ThetaDecay`
+does) at the same optimizer step on every rank; every message size derives from ``n``, ``B`` and
+``theta`` alone. ``compression_limit`` caps it (see
+:class:`~lightning_gradcomp.callbacks.rollback.AdjustableCompression`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.codecs.base import Codec, EncodeResult, check_choice, check_fraction, check_positive_int
+from lightning_gradcomp.codecs.bits import packed_nbytes
+from lightning_gradcomp.codecs.qsgd import seeded_generator
+from lightning_gradcomp.codecs.rangefloat import ROUNDINGS, RangeFloat, codes_nbytes, pack_codes, unpack_codes
+from lightning_gradcomp.registry import register_codec
+
+__all__ = ["FFTCodec"]
+
+POSITIONS = ("auto", "bitmap", "indices")
+SELECTIONS = ("layer", "block")
+
+
+@register_codec("fft")
+class FFTCodec(Codec):
+    """FFT sparsification + range-based float (see the module docstring).
+
+    Args:
+        theta: fraction of each block's frequency coefficients dropped, in ``[0, 1)`` (default 0.9).
+            ``0`` sends every coefficient: lossless up to the quantizer (and up to fp32 rounding of
+            the transforms with ``bits=None``).
+        block_size: FFT length ``B``, an even integer in ``[16, 65536]`` (default 4096).
+        bits: bits of the range-based float per real value (4..16, default 8), or ``None`` for fp32.
+        exponent_bits: fixed exponent width of the range-based float, or ``None`` to fit it per layer.
+        rounding: ``"nearest"`` (default) or ``"stochastic"``.
+        positions: ``"auto"`` (default: the smaller of bitmap and indices), ``"bitmap"`` or ``"indices"``.
+        selection: ``"block"`` (default): the ``C - floor(theta C)`` largest coefficients of every
+            block; ``"layer"``: the ``K = N - floor(theta N)`` largest of the layer's ``N`` coefficients
+            (threshold from a 1% sample, then an exact top-K among the candidates).
+        seed: seed of stochastic rounding and of the threshold sample.
+        **kwargs: the common codec options; error feedback is on by default.
+    """
+
+    collective = "allgather"
+    default_error_feedback = True
+
+    def __init__(
+        self,
+        theta: float = 0.9,
+        block_size: int = 4096,
+        bits: int | None = 8,
+        exponent_bits: int | None = None,
+        rounding: str = "nearest",
+        positions: str = "auto",
+        selection: str = "block",
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.theta = check_fraction("theta", theta, low_open=False, high_open=True)
+        check_positive_int("block_size", block_size)
+        if block_size % 2 or not 16 <= block_size <= 65536:
+            raise ValueError(f"block_size must be an even integer in [16, 65536], got {block_size}")
+        self.block_size = block_size
+        check_choice("rounding", rounding, ROUNDINGS)
+        self._fmt = None if bits is None else RangeFloat(bits, exponent_bits, None, rounding)
+        self.bits = bits
+        self.exponent_bits = exponent_bits
+        self.rounding = rounding
+        self.positions = check_choice("positions", positions, POSITIONS)
+        self.selection = check_choice("selection", selection, SELECTIONS)
+        self.seed = int(seed)
+        self._limit = 1.0
+
+    # ----------------------------------------------------------------------------------------------
+    # the compression knob (AdjustableCompression)
+    @property
+    def effective_theta(self) -> float:
+        return min(self.theta, self._limit)
+
+    @property
+    def compression_level(self) -> float:
+        """The theta in use: ``min(theta, compression_limit)``."""
+        return self.effective_theta
+
+    @property
+    def compression_limit(self) -> float:
+        """Upper bound on theta, whatever a schedule sets; lowered by accuracy-drop rollbacks."""
+        return self._limit
+
+    @compression_limit.setter
+    def compression_limit(self, value: float) -> None:
+        self._limit = check_fraction("compression_limit", value, low_open=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"theta": self.theta, "compression_limit": self._limit}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        unknown = set(state) - {"theta", "compression_limit"}
+        if unknown:
+            raise ValueError(f"codec 'fft' does not know the state entries {sorted(unknown)}")
+        if "theta" in state:
+            self.theta = check_fraction("theta", state["theta"], low_open=False, high_open=True)
+        if "compression_limit" in state:
+            self.compression_limit = state["compression_limit"]
+
+    # ----------------------------------------------------------------------------------------------
+    # sizes: functions of (n, block_size, theta, selection) only, hence equal on every rank
+    def layout(self, numel: int) -> tuple[int, int, int, str]:
+        """``(blocks nb, coefficients per block C, kept coefficients K, positions mode)`` of a layer.
+
+        ``K = N - floor(theta N)`` of the ``N = nb C`` coefficients; with ``selection="block"``,
+        ``k = C - floor(theta C)`` in every block and ``K = nb k``.
+        """
+        B = self.block_size
+        nb = -(-numel // B)
+        C = B // 2 + 1
+        theta = self.effective_theta
+        K = nb * max(1, C - math.floor(theta * C)) if self.selection == "block" else max(1, nb * C - math.floor(theta * nb * C))
+        if K == nb * C:
+            mode = "none"
+        elif self.positions != "auto":
+            mode = self.positions
+        else:
+            bitmap = packed_nbytes(nb * C, 1)
+            indices = codes_nbytes(K, self._index_bits(nb, C))
+            mode = "indices" if indices < bitmap else "bitmap"
+        return nb, C, K, mode
+
+    def _index_bits(self, nb: int, C: int) -> int:
+        # block selection sends block-local positions; layer selection positions in the whole layer
+        span = C if self.selection == "block" else nb * C
+        return max(1, math.ceil(math.log2(span)))
+
+    def payload_nbytes(self, numel: int) -> int:
+        """Bytes of one layer's message (without the 8-byte range header)."""
+        nb, C, K, mode = self.layout(numel)
+        vals = 2 * K * 4 if self._fmt is None else self._fmt.nbytes(2 * K)
+        pos = {"none": 0, "bitmap": packed_nbytes(nb * C, 1), "indices": codes_nbytes(K, self._index_bits(nb, C))}
+        return vals + pos[mode]
+
+    # ----------------------------------------------------------------------------------------------
+    def _spectrum(self, x: Tensor, nb: int) -> Tensor:
+        B = self.block_size
+        pad = nb * B - x.numel()
+        xb = torch.nn.functional.pad(x, (0, pad)) if pad else x
+        return torch.fft.rfft(xb.view(nb, B), dim=1)
+
+    def _select(self, power: Tensor, K: int, gen: torch.Generator | None) -> Tensor:
+        """Sorted flat positions of the ``K`` largest entries of ``power`` (``nb x C``)."""
+        nb, C = power.shape
+        if self.selection == "block":
+            k = K // nb
+            local = torch.topk(power, k, dim=1, sorted=False).indices.sort(dim=1).values
+            return (local + torch.arange(nb, device=power.device).unsqueeze(1) * C).reshape(-1)
+        flat = power.reshape(-1)
+        N = flat.numel()
+        if N <= 65536:
+            return torch.topk(flat, K, sorted=False).indices.sort().values
+        # DGC-style: a threshold from a random 1% sample, set a few standard errors low so that at
+        # least K entries pass it, then an exact top-K among the candidates (about 1.05 K of them)
+        m = max(4096, N // 100)
+        sample = flat[torch.randint(0, N, (m,), generator=gen, device=flat.device)]
+        p = K / N
+        p_hi = min(1.0, p + 4.0 * math.sqrt(p * (1 - p) / m) + 1.0 / m)
+        t = torch.kthvalue(sample, max(1, m - math.ceil(p_hi * m) + 1)).values
+        cand = (flat >= t).nonzero().view(-1)
+        if cand.numel() < K:  # the sample misjudged the tail (rare): exact top-K over everything
+            return torch.topk(flat, K, sorted=False).indices.sort().values
+        return cand[torch.topk(flat[cand], K, sorted=False).indices].sort().values
+
+    def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
+        n = x.numel()
+        nb, C, K, mode = self.layout(n)
+        X = self._spectrum(x, nb).view(-1)
+        gen = None
+        if self.rounding == "stochastic" or (mode != "none" and self.selection == "layer"):
+            gen = seeded_generator(self.seed, self.rank, step, key, x.device)
+        if mode == "none":
+            idx = None
+            kept = X
+        else:
+            power = (X.real.square() + X.imag.square()).view(nb, C)  # ranks like |X|, without the sqrt
+            idx = self._select(power, K, gen)
+            kept = X[idx]
+        vals = torch.view_as_real(kept).reshape(-1)
+        if self._fmt is None:
+            payload = [vals.contiguous()]
+            q = vals
+        else:
+            header, codes = self._fmt.quantize(vals, gen if self.rounding == "stochastic" else None)
+            q = self._fmt.dequantize(header, codes)
+            payload = [header, pack_codes(codes, self._fmt.bits)]
+        if mode == "bitmap":
+            mask = torch.zeros(nb * C, dtype=torch.uint8, device=x.device)
+            mask[idx] = 1
+            payload.append(_pack_bitmap(mask))
+        elif mode == "indices":
+            pos = idx if self.selection == "layer" else idx.view(nb, -1) % C
+            payload.append(pack_codes(pos.reshape(-1).to(torch.int32), self._index_bits(nb, C)))
+        spec = torch.zeros(nb * C, dtype=X.dtype, device=x.device)
+        self._add(spec, idx, q)
+        local = torch.fft.irfft(spec.view(nb, C), n=self.block_size, dim=1).reshape(-1)[:n]
+        return EncodeResult(payload, local=local, ctx=(nb, C, K, mode))
+
+    @staticmethod
+    def _add(spec: Tensor, idx: Tensor | None, vals: Tensor) -> None:
+        """``spec[idx] += vals`` (``vals`` as interleaved real/imaginary parts, ``spec`` flat)."""
+        z = torch.view_as_complex(vals.to(torch.float32).reshape(-1, 2).contiguous())
+        if idx is None:
+            spec += z
+        else:
+            spec.index_add_(0, idx, z)
+
+    def _unpack(self, payload: Sequence[Tensor], ctx: tuple[int, int, int, str]) -> tuple[Tensor | None, Tensor]:
+        nb, C, K, mode = ctx
+        if self._fmt is None:
+            vals, rest = payload[0], payload[1:]
+        else:
+            vals = self._fmt.decode(payload[:2], 2 * K)
+            rest = payload[2:]
+        if mode == "none":
+            return None, vals
+        if mode == "bitmap":
+            idx = _unpack_bitmap(rest[0], nb * C).nonzero().view(-1)  # ascending, as the values were sent
+        else:
+            idx = unpack_codes(rest[0], self._index_bits(nb, C), K).long()
+            if self.selection == "block":
+                idx = (idx.view(nb, -1) + torch.arange(nb, device=idx.device).unsqueeze(1) * C).view(-1)
+        return idx, vals
+
+    def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
+        return self.aggregate([payload], ctx, numel)
+
+    def aggregate(self, payloads: Sequence[list[Tensor]], ctx: Any, numel: int) -> Tensor:
+        nb, C, _, _ = ctx
+        spec = torch.zeros(nb * C, dtype=torch.complex64, device=payloads[0][0].device)
+        for p in payloads:  # the FFT is linear: sum the spectra, invert once
+            idx, vals = self._unpack(p, ctx)
+            self._add(spec, idx, vals)
+        return torch.fft.irfft(spec.view(nb, C), n=self.block_size, dim=1).reshape(-1)[:numel]
+
+
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def _pack_bitmap(mask: Tensor) -> Tensor:
+    """0/1 uint8 -> bits, eight to a byte (little-endian, as ``pack_bits(mask, 1)``), without int32 copies."""
+    pad = (-mask.numel()) % 8
+    if pad:
+        mask = torch.cat([mask, mask.new_zeros(pad)])
+    return (mask.view(-1, 8) * _BIT_WEIGHTS.to(mask.device)).sum(1, dtype=torch.uint8)
+
+
+def _unpack_bitmap(packed: Tensor, n: int) -> Tensor:
+    return ((packed.unsqueeze(1) & _BIT_WEIGHTS.to(packed.device)) != 0).view(-1)[:n]

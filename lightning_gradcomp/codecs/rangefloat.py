@@ -1,0 +1,264 @@
+"""``rangefloat``: a low-bit floating-point format whose exponent range is fitted to the data.
+
+The range-based float of Wang et al. (HPDC'20, "FFT-based Gradient Sparsification for the
+Distributed Training of Deep Neural Networks"): instead of IEEE's fixed exponent range, a message's
+``bits``-bit floats use an exponent *bias* chosen from the largest magnitude in the message, so no
+codes are spent on magnitudes that never occur. The bias (and the exponent width when it is chosen
+automatically) travels in a 2-element int32 header.
+
+Format (our choice of the concrete layout; the paper's exact bit layout is not public): a code is
+``sign | E | f`` with ``e`` exponent bits and ``m = bits - 1 - e`` mantissa bits, decoded like IEEE
+with gradual underflow:
+
+* ``E = 0``: subnormal, ``|v| = 2^b * f / 2^m`` (``f = 0`` is zero);
+* ``E >= 1``: normal, ``|v| = 2^(E - 1 + b) * (1 + f / 2^m)``.
+
+The smallest normal is ``2^b`` and the largest value ``2^(2^e - 2 + b) * (2 - 2^-m)``. The bias is
+``b = floor(log2 max|v|) - 2^e + 2``, so the largest magnitude falls in the top binade, and is clamped
+to ``b >= -126`` so that every scale factor stays a normal fp32 number.
+
+Worst-case error (exact for the arithmetic used here: every scaling is by a power of two):
+
+* ``|v| >= 2^b`` (inside the represented range): relative error ``<= 2^-(m+1)`` with round-to-nearest
+  and ``< 2^-m`` with stochastic rounding (which is unbiased). The largest magnitude never
+  overflows: at worst it rounds down to the largest code, still within ``2^-(m+1)``.
+* ``|v| < 2^b`` (below the range): subnormals, absolute error ``<= 2^(b-m-1)`` with round-to-nearest
+  (``< 2^(b-m)`` stochastic), which is below the smallest normal ``2^b``. Values below ``2^(b-m-1)``
+  flush to zero.
+
+With ``exponent_bits=None`` (default) ``e`` is fitted to the message too: the smallest ``e`` (at most
+``max_exponent_bits``) whose ``2^e - 1`` normal binades cover ``[min nonzero |v|, max |v|]``. Narrow
+ranges (the coefficients kept after magnitude sparsification) then get more mantissa bits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.codecs.base import Codec, EncodeResult, check_choice
+from lightning_gradcomp.codecs.bits import pack_bits, packed_nbytes, unpack_bits
+from lightning_gradcomp.codecs.qsgd import seeded_generator
+from lightning_gradcomp.registry import register_codec
+
+__all__ = ["RangeFloat", "rf_quantize", "rf_dequantize", "pack_codes", "unpack_codes", "codes_nbytes", "RangeFloatCodec", "ROUNDINGS"]
+
+ROUNDINGS = ("nearest", "stochastic")
+_MIN_BIAS = -126  # keeps 2^-b and 2^b normal fp32 numbers
+
+
+def _default_max_exponent_bits(bits: int) -> int:
+    return max(1, min(bits - 2, 4 if bits <= 9 else 5))
+
+
+def pack_codes(codes: Tensor, bits: int) -> Tensor:
+    """Pack ``bits``-bit codes into ``codes_nbytes(n, bits)`` bytes.
+
+    Widths above 8 (up to 31) are split into planes (our choice, for speed): the low byte of every
+    code, then the high ``bits - 8`` bits packed the same way (bytes, then
+    :func:`~lightning_gradcomp.codecs.bits.pack_bits` for the last plane). The size is at most a few
+    bytes above the dense ``ceil(n bits / 8)``.
+    """
+    if not 1 <= bits <= 31:
+        raise ValueError(f"bits must be in [1, 31], got {bits}")
+    if bits <= 8:
+        return pack_bits(codes, bits)
+    codes = codes.reshape(-1).to(torch.int32)
+    low = (codes & 0xFF).to(torch.uint8)
+    return torch.cat([low, pack_codes(codes >> 8, bits - 8)])
+
+
+def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
+    """Inverse of :func:`pack_codes`: ``n`` codes as int32."""
+    if bits <= 8:
+        return unpack_bits(packed, bits, n)
+    low = packed[:n].to(torch.int32)
+    return low | (unpack_codes(packed[n:], bits - 8, n) << 8)
+
+
+def codes_nbytes(n: int, bits: int) -> int:
+    return packed_nbytes(n, bits) if bits <= 8 else n + codes_nbytes(n, bits - 8)
+
+
+def rf_quantize(
+    values: Tensor,
+    bits: int = 8,
+    exponent_bits: int | None = None,
+    max_exponent_bits: int | None = None,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Quantize ``values`` to range-based floats.
+
+    Returns:
+        ``(header, codes)``: header is int32 ``[b, e]``; codes are int32 in ``[0, 2^bits)``, the sign
+        in the top bit. See the module docstring for the format and its error bound.
+    """
+    v = values.reshape(-1).to(torch.float32).contiguous()
+    # Work on the fp32 bit patterns: for non-negative floats the int32 order is the float order,
+    # the exponent field is floor(log2 |v|) + 127, and scaling by 2^-b is subtracting b from it.
+    ai = v.view(torch.int32) & 0x7FFFFFFF
+    e_cap = _default_max_exponent_bits(bits) if max_exponent_bits is None else max_exponent_bits
+    amax_bits = int(ai.max()) if ai.numel() else 0
+    if amax_bits == 0 or amax_bits >= 0x7F800000:  # all zero (or non-finite: the hook discards it)
+        b, e = 0, exponent_bits or e_cap
+    else:
+        top = math.frexp(torch.tensor(amax_bits, dtype=torch.int32).view(torch.float32).item())[1] - 1
+        if exponent_bits is None:
+            # smallest non-zero magnitude: zeros wrap to the largest int by the -1, & mask
+            amin = float(((ai - 1) & 0x7FFFFFFF).min().add_(1).view(torch.float32))
+            span = top - (math.frexp(amin)[1] - 1) + 1  # binades to cover as normals
+            e = min(e_cap, max(1, math.ceil(math.log2(span + 1))))
+        else:
+            e = exponent_bits
+        b = max(_MIN_BIAS, top - 2**e + 2)
+    m = bits - 1 - e
+    shift = 23 - m
+    # normals (|v| >= 2^b): drop 23 - m mantissa bits with rounding; a carry out of the mantissa lands
+    # on the next binade's first code. fp32 exponent field 127 + b + k (binade k) becomes E = k + 1.
+    if rounding == "nearest":
+        normal = ai + (1 << (shift - 1))
+    else:
+        normal = ai + torch.randint(0, 1 << shift, ai.shape, generator=generator, device=ai.device, dtype=torch.int32)
+    normal = normal.bitwise_right_shift_(shift).sub_((126 + b) << m)
+    # subnormals (|v| < 2^b): multiples of 2^(b-m)
+    sub = ai.view(torch.float32) * 2.0 ** (m - b)
+    if rounding == "nearest":
+        sub = sub.round_()
+    else:
+        sub = sub.add_(torch.rand(sub.shape, generator=generator, device=sub.device)).floor_()
+    mag = torch.where(ai >= ((127 + b) << 23), normal, sub.to(torch.int32))
+    mag = mag.clamp_(max=(1 << (bits - 1)) - 1)  # saturate (only reachable by rounding up the largest value)
+    sign = v.view(torch.int32).bitwise_right_shift(31).bitwise_and_(1 << (bits - 1))  # arithmetic shift
+    codes = mag.bitwise_or_(sign)
+    header = torch.tensor([b, e], dtype=torch.int32, device=v.device)
+    return header, codes
+
+
+def rf_dequantize(header: Tensor, codes: Tensor, bits: int) -> Tensor:
+    """Inverse of :func:`rf_quantize`: fp32 values from ``(header, codes)``."""
+    b, e = (int(x) for x in header.tolist())
+    m = bits - 1 - e
+    codes = codes.to(torch.int32)
+    mag = codes & ((1 << (bits - 1)) - 1)
+    # normals back to an fp32 bit pattern (E = k + 1 -> exponent field 127 + b + k), subnormals f 2^(b-m)
+    normal = (mag + ((126 + b) << m)).bitwise_left_shift_(23 - m)
+    sub = (mag.to(torch.float32) * 2.0 ** (b - m)).view(torch.int32)
+    out = torch.where(mag >= (1 << m), normal, sub)
+    out.bitwise_or_(codes.bitwise_right_shift(bits - 1).bitwise_left_shift_(31))
+    return out.view(torch.float32)
+
+
+@dataclass(frozen=True)
+class RangeFloat:
+    """A range-based float format: ``encode`` packs values into ``[header, bytes]``.
+
+    Args:
+        bits: total bits per value (sign + exponent + mantissa), 4..16.
+        exponent_bits: fixed exponent width ``e`` (1..bits-2), or ``None`` to fit it per message.
+        max_exponent_bits: upper bound of the fitted ``e`` (default 4 for ``bits <= 9``, else 5).
+        rounding: ``"nearest"`` or ``"stochastic"`` (unbiased inside the range).
+    """
+
+    bits: int = 8
+    exponent_bits: int | None = None
+    max_exponent_bits: int | None = None
+    rounding: str = "nearest"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 4 <= self.bits <= 16:
+            raise ValueError(f"bits must be an integer in [4, 16], got {self.bits!r}")
+        for name in ("exponent_bits", "max_exponent_bits"):
+            val = getattr(self, name)
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or not 1 <= val <= self.bits - 2):
+                raise ValueError(f"{name} must be None or an integer in [1, {self.bits - 2}] for bits={self.bits}, got {val!r}")
+        check_choice("rounding", self.rounding, ROUNDINGS)
+
+    @property
+    def worst_exponent_bits(self) -> int:
+        if self.exponent_bits is not None:
+            return self.exponent_bits
+        return self.max_exponent_bits or _default_max_exponent_bits(self.bits)
+
+    def max_relative_error(self, header: Tensor | None = None) -> float:
+        """Bound on ``|q(v) - v| / |v|`` for ``|v| >= 2^b``: ``2^-(m+1)`` (nearest) or ``2^-m``
+        (stochastic); with a header, for that message's ``m``, else the worst case over messages."""
+        e = int(header[1]) if header is not None else self.worst_exponent_bits
+        m = self.bits - 1 - e
+        return 2.0 ** -(m + 1) if self.rounding == "nearest" else 2.0**-m
+
+    def nbytes(self, n: int) -> int:
+        """Bytes of the packed codes of ``n`` values (the header adds 8)."""
+        return codes_nbytes(n, self.bits)
+
+    def quantize(self, values: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        return rf_quantize(values, self.bits, self.exponent_bits, self.max_exponent_bits, self.rounding, generator)
+
+    def dequantize(self, header: Tensor, codes: Tensor) -> Tensor:
+        return rf_dequantize(header, codes, self.bits)
+
+    def encode(self, values: Tensor, generator: torch.Generator | None = None) -> list[Tensor]:
+        """``[header (int32, 2), packed codes (uint8)]``; sizes depend only on ``values.numel()``."""
+        header, codes = self.quantize(values, generator)
+        return [header, pack_codes(codes, self.bits)]
+
+    def decode(self, payload: Sequence[Tensor], n: int) -> Tensor:
+        return rf_dequantize(payload[0], unpack_codes(payload[1], self.bits, n), self.bits)
+
+
+@register_codec("rangefloat")
+class RangeFloatCodec(Codec):
+    """Every compressed layer sent as ``bits``-bit range-based floats (see the module docstring).
+
+    Each layer gets its own range (header). Compression ``32 / bits`` (4x at 8 bits), and relative
+    error at most ``2^-(m+1)`` for every value at or above the layer's smallest normal.
+
+    Collective: all-gather. Every rank fits the range to its own values, so codes of different
+    ranks mean different numbers and cannot be summed; each rank decodes every rank's message.
+
+    Args:
+        bits: bits per value, 4..16 (e.g. 8, 10, 16).
+        exponent_bits: fixed exponent width, or ``None`` (default) to fit it per layer and step.
+        max_exponent_bits: cap of the fitted exponent width.
+        rounding: ``"nearest"`` (default) or ``"stochastic"`` (unbiased).
+        seed: seed of stochastic rounding (streams depend on seed, rank, step and layer).
+        **kwargs: the common codec options; error feedback is on by default (round-to-nearest is
+            biased, and values far below a layer's largest one flush to zero).
+    """
+
+    collective = "allgather"
+    default_error_feedback = True
+
+    def __init__(
+        self,
+        bits: int = 8,
+        exponent_bits: int | None = None,
+        max_exponent_bits: int | None = None,
+        rounding: str = "nearest",
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self._fmt = RangeFloat(bits, exponent_bits, max_exponent_bits, rounding)
+        self.bits = bits
+        self.exponent_bits = exponent_bits
+        self.max_exponent_bits = max_exponent_bits
+        self.rounding = rounding
+        self.seed = int(seed)
+
+    @property
+    def format(self) -> RangeFloat:
+        return self._fmt
+
+    def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
+        gen = seeded_generator(self.seed, self.rank, step, key, x.device) if self.rounding == "stochastic" else None
+        header, codes = self._fmt.quantize(x, gen)
+        local = self._fmt.dequantize(header, codes)
+        return EncodeResult([header, pack_codes(codes, self.bits)], local=local)
+
+    def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
+        return self._fmt.decode(payload, numel)

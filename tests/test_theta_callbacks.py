@@ -1,0 +1,193 @@
+"""ThetaDecay schedules and AccuracyDropRollback, including a rollback in a real 2-process Lightning run."""
+
+import hashlib
+import json
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn as nn
+
+from lightning_gradcomp import CompressedDDPStrategy
+from lightning_gradcomp.callbacks import AccuracyDropRollback, ThetaDecay
+from lightning_gradcomp.callbacks.theta_decay import theta_at
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "step"])
+def test_schedules_diminish_from_start_to_end(schedule):
+    values = [theta_at(s, 100, 0.9, 0.5, schedule) for s in range(0, 131)]
+    assert values[0] == pytest.approx(0.9) and values[100] == pytest.approx(0.5) and values[130] == pytest.approx(0.5)
+    assert all(b <= a + 1e-12 for a, b in zip(values, values[1:]))  # never rises
+    assert all(0.5 - 1e-12 <= v <= 0.9 + 1e-12 for v in values)
+
+
+def test_schedule_shapes():
+    assert theta_at(50, 100, 0.9, 0.5, "cosine") == pytest.approx(0.7)
+    assert theta_at(25, 100, 0.9, 0.5, "linear") == pytest.approx(0.8)
+    step = [theta_at(s, 100, 0.9, 0.5, "step", (0.5, 0.75)) for s in (49, 50, 74, 75)]
+    assert step == pytest.approx([0.9, 0.7, 0.7, 0.5])
+    assert theta_at(30, 100, 0.9, 0.6, "step", (10, 30, 60)) == pytest.approx(0.7)  # step numbers
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, option",
+    [
+        (ThetaDecay, {"schedule": "exp"}, "schedule"),
+        (ThetaDecay, {"theta_end": 1.0}, "theta_end"),
+        (ThetaDecay, {"theta_start": 0.3, "theta_end": 0.5}, "theta_end"),
+        (ThetaDecay, {"total_steps": 0}, "total_steps"),
+        (ThetaDecay, {"milestones": (0.7, 0.2)}, "milestones"),
+        (AccuracyDropRollback, {"mode": "up"}, "mode"),
+        (AccuracyDropRollback, {"tolerance": -1}, "tolerance"),
+        (AccuracyDropRollback, {"factor": 1.0}, "factor"),
+        (AccuracyDropRollback, {"patience": 0}, "patience"),
+    ],
+)
+def test_invalid_arguments_name_the_option(cls, kwargs, option):
+    with pytest.raises(ValueError, match=option):
+        cls(**kwargs)
+
+
+def test_callback_state_round_trips():
+    cb = ThetaDecay()
+    cb.load_state_dict({"start": 0.9, "total": 50, "theta": 0.8})
+    assert ThetaDecay().state_dict() != cb.state_dict()
+    assert cb.state_dict() == {"start": 0.9, "total": 50, "theta": 0.8}
+    rb = AccuracyDropRollback()
+    rb.load_state_dict({"best": 0.7, "bad_checks": 0, "rollbacks": 2, "last_good_step": 40})
+    assert (rb.best, rb.rollbacks) == (0.7, 2)
+    assert AccuracyDropRollback(monitor="a").state_key != AccuracyDropRollback(monitor="b").state_key
+
+
+# --------------------------------------------------------------------------------------------------
+# a 2-process run whose validation metric is scripted per epoch and per rank
+VAL = {0: (0.80, 0.80), 1: (0.50, 0.80), 2: (0.80, 0.20)}  # epoch -> (rank 0, rank 1)
+
+
+def _digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _facts(trainer: pl.Trainer) -> dict:
+    module = trainer.lightning_module
+    opt = trainer.optimizers[0]
+    hook = trainer.strategy.hook_state
+    codec = trainer.strategy.codec
+    return {
+        "model": _digest(module.state_dict().values()),
+        "optimizer": _digest(s["momentum_buffer"] for s in opt.state.values()),
+        "residuals": _digest(v for _, v in sorted(hook.memory.residuals.items())),
+        "n_residuals": len(hook.memory.residuals),
+        "theta": codec.theta,
+        "limit": codec.compression_limit,
+        "step": trainer.global_step,
+    }
+
+
+class RecordingRollback(AccuracyDropRollback):
+    """Writes what each rank holds when it snapshots and right after it restores."""
+
+    def __init__(self, out_dir: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.out_dir = out_dir
+
+    def _write(self, trainer: pl.Trainer, label: str) -> None:
+        path = os.path.join(self.out_dir, f"{label}.rank{trainer.global_rank}.json")
+        with open(path, "w") as f:
+            json.dump(_facts(trainer), f)
+
+    def _take_snapshot(self, trainer):
+        super()._take_snapshot(trainer)
+        self._write(trainer, f"snap{trainer.current_epoch}")
+
+    def _rollback(self, trainer, current, drop):
+        self._write(trainer, "before_rollback")
+        super()._rollback(trainer, current, drop)
+        self._write(trainer, "restored")
+
+
+class ScriptedModule(pl.LightningModule):
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))  # 2048 weights compressed
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        # deliberately not synced: the ranks disagree, and rank 0's value must decide for both
+        self.log("val_acc", VAL[self.current_epoch][self.global_rank], batch_size=1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def _loader(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(256, 32, generator=g)
+        y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+
+    def train_dataloader(self):
+        return self._loader(0)
+
+    def val_dataloader(self):
+        return self._loader(1)
+
+    def on_train_end(self) -> None:
+        with open(os.path.join(self.out_dir, f"final.rank{self.global_rank}.json"), "w") as f:
+            json.dump(_facts(self.trainer), f)
+
+
+def test_rollback_restores_identical_state_on_both_ranks_and_training_continues(tmp_path):
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=CompressedDDPStrategy(
+            codec="fft", codec_options={"theta": 0.9, "block_size": 256, "start_step": 0}, start_method="spawn"
+        ),
+        max_epochs=3,
+        limit_train_batches=4,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[
+            ThetaDecay(theta_end=0.7, schedule="linear"),
+            RecordingRollback(str(tmp_path), monitor="val_acc", tolerance=0.1, factor=0.5),
+        ],
+    )
+    trainer.fit(ScriptedModule(str(tmp_path)))
+    read = lambda label, r: json.loads((tmp_path / f"{label}.rank{r}.json").read_text())  # noqa: E731
+    # epoch 0 was good (snapshot), epoch 1 dropped on rank 0 only: both ranks rolled back;
+    # epoch 2 dropped on rank 1 only: neither did (one rollback, one later snapshot)
+    assert not (tmp_path / "snap1.rank0.json").exists() and not (tmp_path / "snap1.rank1.json").exists()
+    for r in range(2):
+        snap, before, restored, final = read("snap0", r), read("before_rollback", r), read("restored", r), read("final", r)
+        assert snap["step"] == 4 and restored["step"] == 8 and final["step"] == 12
+        assert snap["n_residuals"] > 0  # the compressed layer carries a residual worth restoring
+        for key in ("model", "optimizer", "residuals"):
+            assert restored[key] == snap[key], (r, key)
+            assert before[key] != snap[key], (r, key)  # there was something to undo
+        assert restored["theta"] == snap["theta"]
+        # compression lowered from the theta in use at the drop: 0.5 * theta(step 8)
+        assert restored["limit"] == pytest.approx(0.5 * before["theta"])
+        assert final["limit"] == pytest.approx(restored["limit"]) and final["theta"] > final["limit"]
+        assert final["model"] != restored["model"]  # training went on from the restored state
+        assert read("snap2", r)["step"] == 12
+    for label in ("snap0", "restored", "final"):
+        a, b = read(label, 0), read(label, 1)
+        assert a["model"] == b["model"] and a["optimizer"] == b["optimizer"] and a["limit"] == b["limit"]
+        assert a["residuals"] != b["residuals"]  # residuals are per rank, and each got its own back
+    m = trainer.callback_metrics
+    assert float(m["gradcomp/rollbacks"]) == 1.0
+    assert float(m["gradcomp/theta"]) == pytest.approx(read("final", 0)["limit"])  # the capped theta in use
