@@ -20,7 +20,13 @@ from dist_utils import run_gloo
 WARMUP, AE_STEPS, STAGE3 = 3, 5, 3
 RATIO, INNOV, LATENT = 0.1, 0.01, 4
 OPTS = dict(
-    warmup_steps=WARMUP, ae_train_steps=AE_STEPS, ratio=RATIO, innovation_ratio=INNOV, ae_epochs=3, min_numel=1000
+    warmup_steps=WARMUP,
+    ae_train_steps=AE_STEPS,
+    ratio=RATIO,
+    innovation_ratio=INNOV,
+    ae_epochs=3,
+    min_numel=1000,
+    max_recon_error=100.0,  # every layer uses the AE, whatever it learned from a few random batches
 )
 
 
@@ -44,6 +50,7 @@ def _mlp() -> nn.Module:
         (dict(ae_time_budget_s=-1), "ae_time_budget_s"),
         (dict(selection="random"), "selection must be one of"),
         (dict(start_step=5), "warmup_steps and ae_train_steps"),
+        (dict(max_recon_error=0), "max_recon_error must be a positive number"),
     ],
 )
 def test_invalid_options_raise(opts, match):
@@ -71,7 +78,7 @@ def test_stage_schedule():
 @pytest.mark.parametrize("variant", ["rar", "ps"])
 def test_state_dict_round_trip_restores_the_autoencoder(variant):
     """Train on synthetic correlated samples, save with torch.save, load with weights_only=True."""
-    c = LGCCodec(variant=variant, ae_epochs=1, ratio=RATIO, innovation_ratio=INNOV)
+    c = LGCCodec(variant=variant, ae_epochs=1, ratio=RATIO, innovation_ratio=INNOV, max_recon_error=100.0)
     g = torch.Generator().manual_seed(0)
     common = torch.randn(300, generator=g)
     for step in range(6):
@@ -87,9 +94,21 @@ def test_state_dict_round_trip_restores_the_autoencoder(variant):
     assert d.ae_digest() != c.ae_digest()
     d.load_state_dict(state)
     assert d.ae_digest() == c.ae_digest() and d.ae_trained and d.ae_loss == c.ae_loss
+    assert d.ae_layers == c.ae_layers
     z = c.ae.encode(torch.randn(1, 300, generator=g))
     u = torch.zeros(1, 300)
     assert torch.equal(c.ae.decode(z, 300, u), d.ae.decode(z, 300, u))
+    assert list(c.ae_layers) == ["w"]
+
+
+def test_poor_code_is_gated_off():
+    """A layer whose held-out error exceeds max_recon_error keeps sending exact values."""
+    c = LGCCodec(ae_epochs=1, ratio=RATIO, max_recon_error=1e-6)
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        c._samples.append(("w", step, step % 2, 3000, torch.randn(2, 300, generator=g)))
+    c.train_autoencoder()
+    assert c.ae_trained and c.ae_layers == {} and c.ae_recon_error > 1e-6
 
 
 # --------------------------------------------------------------------------------------------------
@@ -237,7 +256,7 @@ def test_lightning_run_logs_stages_and_resume_restores_autoencoder(tmp_path):
 
     def trainer(max_steps: int, tag: str) -> Trainer:
         strategy = CompressedDDPStrategy(
-            codec="lgc", codec_options=dict(ratio=RATIO, min_numel=1000, ae_epochs=2), start_method="spawn"
+            codec="lgc", codec_options=dict(ratio=RATIO, min_numel=1000, ae_epochs=2, max_recon_error=100.0), start_method="spawn"
         )
         return Trainer(
             accelerator="cpu",

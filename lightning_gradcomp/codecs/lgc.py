@@ -146,6 +146,10 @@ class LGCCodec(Codec):
         ae_samples: how many of stage 2's last steps are kept as training data.
         selection: how the leader finds the top-k: ``"sampled"`` (threshold from a random sample,
             then exact top-k among the candidates, as DGC; ~3x cheaper) or ``"exact"``.
+        max_recon_error: a layer uses the AE in stage 3 only if the held-out relative error of its
+            decoded aggregate is at most this; other layers keep sending their values on the shared
+            support (stage 2's exact sum). Our choice, so that a poor code cannot silently drop the
+            values; ``float("inf")`` uses the AE everywhere.
         seed: seeds the AE initialization, its training and the sampling.
         **kwargs: the common codec options (``error_feedback`` on by default, ``min_numel``).
     """
@@ -166,6 +170,7 @@ class LGCCodec(Codec):
         ae_time_budget_s: float = 30.0,
         ae_samples: int = 64,
         selection: str = "sampled",
+        max_recon_error: float = 0.7,
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
@@ -190,6 +195,9 @@ class LGCCodec(Codec):
         self.ae_time_budget_s = float(ae_time_budget_s)
         self.ae_samples = check_positive_int("ae_samples", ae_samples)
         self.selection = check_choice("selection", selection, SELECTIONS)
+        if not (isinstance(max_recon_error, (int, float)) and max_recon_error > 0):
+            raise ValueError(f"max_recon_error must be a positive number, got {max_recon_error!r}")
+        self.max_recon_error = float(max_recon_error)
         self.seed = int(seed)
         self.start_step = self.warmup_steps
         with torch.random.fork_rng(devices=[]):
@@ -198,6 +206,7 @@ class LGCCodec(Codec):
         self.ae.requires_grad_(False)
         # identical on every rank: the AE, whether it is trained, its training summary, the samples
         self._ae_state = {"trained": False, "loss": float("nan"), "recon_error": float("nan"), "train_s": float("nan")}
+        self._ae_layers: dict[str, float] = {}  # layers that use the AE in stage 3 -> held-out error
         self._samples: list[tuple[str, int, int, int, Tensor]] = []  # key, step, leader, numel, (N, K) values
         self._samples_lock = threading.Lock()
         self._step = 0
@@ -285,7 +294,7 @@ class LGCCodec(Codec):
         is_leader = self.rank == leader
         device = layers[0][1].device
         sizes = [self.k_for(x.numel()) for _, x, _ in layers]
-        use_ae = [stage == 3 and k >= MIN_AE_LEN for k in sizes]
+        use_ae = [stage == 3 and k >= MIN_AE_LEN and key in self._ae_layers for (key, _, _), k in zip(layers, sizes)]
         lat = [self.latent_channels * GradientAutoencoder.latent_len(k) if a else 0 for k, a in zip(sizes, use_ae)]
         n_scales = sum(use_ae)
         n_lat = sum(lat) if self.variant == "ps" else 0
@@ -329,7 +338,7 @@ class LGCCodec(Codec):
         v = x[idx]
         local = torch.zeros_like(x)
         k = idx.numel()
-        if self.stage(step) < 3 or k < MIN_AE_LEN:
+        if self.stage(step) < 3 or k < MIN_AE_LEN or key not in self._ae_layers:
             local[idx] = v
             return EncodeResult([v], local=local, ctx=(idx, s, None, step, key))
         with torch.no_grad():
@@ -348,7 +357,7 @@ class LGCCodec(Codec):
         # allreduce (RAR stage 3): payload is the sum over ``count`` ranks; return the sum of gradients
         idx, s = ctx[0], ctx[1]
         out = torch.zeros(numel, dtype=torch.float32, device=payload[0].device)
-        if idx.numel() < MIN_AE_LEN:
+        if idx.numel() < MIN_AE_LEN or ctx[4] not in self._ae_layers:
             out[idx] = payload[0].float()
             return out
         with torch.no_grad():
@@ -389,9 +398,15 @@ class LGCCodec(Codec):
         aggregate on held-out samples: the most recent 1/8 of the steps) and :attr:`ae_train_s`.
         """
         t0 = time.perf_counter()
-        stats = torch.zeros(2, dtype=torch.float64)
+        with self._samples_lock:  # identical on every rank: every rank saw every rank's values
+            keys = sorted({smp[0] for smp in self._samples})
+        stats = torch.zeros(2 + len(keys), dtype=torch.float64)
         if self.rank == 0:
-            stats[:] = torch.tensor(self._fit(), dtype=torch.float64)
+            loss, per_layer = self._fit()
+            errors = [per_layer.get(k, (0.0, 0.0)) for k in keys]
+            err, ref = sum(e for e, _ in errors), sum(r for _, r in errors)
+            stats[0], stats[1] = loss, (math.sqrt(err / ref) if ref > 0 else float("nan"))
+            stats[2:] = torch.tensor([math.sqrt(e / r) if r > 0 else math.inf for e, r in errors], dtype=torch.float64)
         if self.world_size > 1:
             flat = nn.utils.parameters_to_vector(self.ae.parameters()).detach()
             dist.broadcast(flat, src=0)
@@ -403,6 +418,7 @@ class LGCCodec(Codec):
             if len({int(d) for d in all_d}) != 1:
                 raise RuntimeError("lgc: autoencoder weights differ between ranks after the broadcast")
         self.ae.requires_grad_(False)
+        self._ae_layers = {k: float(e) for k, e in zip(keys, stats[2:].tolist()) if e <= self.max_recon_error}
         with self._samples_lock:
             self._samples.clear()  # stage 3 never needs them again
         self._ae_state = {
@@ -412,11 +428,11 @@ class LGCCodec(Codec):
             "train_s": time.perf_counter() - t0,
         }
 
-    def _fit(self) -> tuple[float, float]:
+    def _fit(self) -> tuple[float, dict[str, tuple[float, float]]]:
         with self._samples_lock:
             samples = list(self._samples)
         if not samples:
-            return float("nan"), float("nan")
+            return float("nan"), {}
         steps = sorted({s[1] for s in samples})
         n_val = len(steps) // 8
         val_steps = set(steps[len(steps) - n_val :]) if n_val else set()
@@ -476,8 +492,9 @@ class LGCCodec(Codec):
         return 0.5 * rec + 0.5 * sim
 
     @torch.no_grad()
-    def _recon_error(self, samples: list, device: torch.device) -> float:
-        err = ref = 0.0
+    def _recon_error(self, samples: list, device: torch.device) -> dict[str, tuple[float, float]]:
+        """Per layer: squared error and squared norm of the decoded aggregate (normalized units)."""
+        out: dict[str, tuple[float, float]] = {}
         for batch in _batches(samples, 8):
             v, _ = self._normalized(batch, device)
             b, n, k = v.shape
@@ -489,9 +506,9 @@ class LGCCodec(Codec):
                 zl = z[torch.arange(b, device=device), lead]
                 u = self._innovation(v, batch[0][3])
                 vhat = self.ae.decode(zl.repeat_interleave(n, 0), k, u.reshape(b * n, k)).view(b, n, k).mean(1)
-            err += float((vhat - v.mean(1)).pow(2).sum())
-            ref += float(v.mean(1).pow(2).sum())
-        return math.sqrt(err / ref) if ref > 0 else float("nan")
+            e, r = out.get(batch[0][0], (0.0, 0.0))
+            out[batch[0][0]] = (e + float((vhat - v.mean(1)).pow(2).sum()), r + float(v.mean(1).pow(2).sum()))
+        return out
 
     def ae_digest(self) -> int:
         """A 64-bit digest of the AE's weights (compare it across ranks)."""
@@ -499,6 +516,11 @@ class LGCCodec(Codec):
         for t in self.ae.state_dict().values():
             h.update(t.detach().cpu().contiguous().numpy().tobytes())
         return int.from_bytes(h.digest()[:8], "little")
+
+    @property
+    def ae_layers(self) -> dict[str, float]:
+        """Layers that use the AE in stage 3, with their held-out relative error."""
+        return dict(self._ae_layers)
 
     def ae_cost(self) -> dict[str, float]:
         """Parameter count and bytes of the AE."""
@@ -519,6 +541,7 @@ class LGCCodec(Codec):
             "ae_loss": self.ae_loss,
             "ae_recon_error": self.ae_recon_error,
             "ae_train_s": self.ae_train_s,
+            "ae_layers": dict(self._ae_layers),
             "samples": samples,
         }
 
@@ -534,6 +557,7 @@ class LGCCodec(Codec):
             "recon_error": float(state["ae_recon_error"]),
             "train_s": float(state["ae_train_s"]),
         }
+        self._ae_layers = {str(k): float(v) for k, v in state["ae_layers"].items()}
         with self._samples_lock:
             self._samples = [
                 (d["key"], int(d["step"]), int(d["leader"]), int(d["numel"]), d["values"]) for d in state["samples"]
