@@ -7,7 +7,11 @@ ranks with correlated gradients), without a network, so it measures compute only
 - the one-off autoencoder training at the stage switch;
 - the autoencoder's size and the bytes per step.
 
-    python benchmarks/lgc_cost.py [--samples 64] [--repeat 5]
+    python benchmarks/lgc_cost.py [--samples 64] [--repeat 5] [--cifar DIR]
+
+With ``--cifar DIR`` (an unpacked ``cifar10-jpeg.tar.gz``: ``DIR/train/<class>/*.jpg``) the
+gradients are real: the model trains with SGD on the average of two simulated ranks' gradients
+(batch 32 each, different images), so the AE's reconstruction error is measured on real data.
 """
 
 from __future__ import annotations
@@ -33,13 +37,45 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=64, help="stage-2 steps kept for AE training")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--cifar", default=None, help="unpacked CIFAR-10 JPEG folder: real gradients")
+    ap.add_argument("--warmup", type=int, default=20, help="--cifar: dense steps before collecting")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    params = [(n, p) for n, p in resnet18_cifar().named_parameters()]
+    torch.manual_seed(0)
+    model = resnet18_cifar()
+    params = [(n, p) for n, p in model.named_parameters()]
     total = sum(p.numel() for _, p in params)
     g = torch.Generator().manual_seed(0)
+    real = None
+    if args.cifar:
+        import torchvision.transforms as T
+
+        tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),
+                        T.Normalize((0.49, 0.48, 0.45), (0.25, 0.24, 0.26))])
+        data = torchvision.datasets.ImageFolder(f"{args.cifar}/train", transform=tf)
+        loader = iter(torch.utils.data.DataLoader(data, batch_size=32, shuffle=True, num_workers=0,
+                                                  generator=torch.Generator().manual_seed(0)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+
+        def real_step() -> list[list[torch.Tensor]]:
+            out = []
+            for _ in range(2):
+                x, y = next(loader)
+                model.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                out.append([p.grad.detach().reshape(-1).clone() for _, p in params])
+            for (_, p), a, b in zip(params, *out):
+                p.grad = ((a + b) / 2).view_as(p)
+            opt.step()
+            return out
+
+        for _ in range(args.warmup):
+            real_step()
+        real = real_step
 
     def grads(step: int) -> list[list[torch.Tensor]]:
+        if real is not None:
+            return real()
         # two ranks: a shared component plus rank noise, scaled per layer like real gradients
         out = [[], []]
         for _, p in params:
