@@ -140,7 +140,8 @@ def main() -> None:
         codec.train_autoencoder()
         print(f"AE training at the switch: {time.perf_counter() - t0:.1f} s "
               f"({codec.ae_epochs} epochs over {args.samples} steps), loss {codec.ae_loss:.4f}, "
-              f"held-out relative error of the aggregate {codec.ae_recon_error:.3f}")
+              f"held-out relative error of the aggregate {codec.ae_recon_error:.3f}; "
+              f"{len(codec.ae_layers)} layers pass the gate (max_recon_error={codec.max_recon_error})")
         g2 = grads(0)
         rows = [one_step(args.samples + s, g2) for s in range(args.repeat)]
         report("stage 3 (learned code)", rows)
