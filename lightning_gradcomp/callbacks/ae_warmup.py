@@ -1,0 +1,84 @@
+"""Drives and logs the three stages of the ``lgc`` codec (Learned Gradient Compression)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_gradcomp.codecs.base import check_positive_int
+
+__all__ = ["AutoencoderWarmup"]
+
+
+class AutoencoderWarmup(Callback):
+    """Stage schedule and logging of :class:`~lightning_gradcomp.codecs.lgc.LGCCodec`.
+
+    The codec switches stages on the global optimizer step, identically on every rank: dense
+    all-reduce for ``warmup_steps``, shared-support top-k while gradients are collected for
+    ``ae_train_steps``, then the frozen autoencoder. The autoencoder is trained once at the switch
+    (inside the gradient hook, so every rank takes part in the broadcast of its weights); its
+    weights are in the codec's state and so in the checkpoint.
+
+    Logged at every optimizer step (rank 0's values, the same on every rank):
+
+    - ``gradcomp/lgc_stage``: 1, 2 or 3;
+    - ``gradcomp/ae_loss``: the autoencoder's last-epoch training loss, once trained;
+    - ``gradcomp/ae_recon_error``: ``||v_hat - v|| / ||v||`` of the decoded aggregate on held-out
+      stage-2 samples, once trained;
+    - ``gradcomp/ae_train_s``: how long the switch took on this rank.
+
+    Args:
+        warmup_steps: if given, overrides the codec's ``warmup_steps`` before training starts.
+        ae_train_steps: if given, overrides the codec's ``ae_train_steps``.
+
+    Example::
+
+        trainer = Trainer(strategy=CompressedDDPStrategy(codec="lgc"), callbacks=[AutoencoderWarmup()])
+    """
+
+    def __init__(self, warmup_steps: int | None = None, ae_train_steps: int | None = None) -> None:
+        if warmup_steps is not None:
+            check_positive_int("warmup_steps", warmup_steps, allow_zero=True)
+        if ae_train_steps is not None:
+            check_positive_int("ae_train_steps", ae_train_steps)
+        self.warmup_steps = warmup_steps
+        self.ae_train_steps = ae_train_steps
+
+    @staticmethod
+    def _codec(trainer: pl.Trainer) -> Any:
+        from lightning_gradcomp.codecs.lgc import LGCCodec
+
+        codec = getattr(trainer.strategy, "codec", None)
+        return codec if isinstance(codec, LGCCodec) else None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        codec = self._codec(trainer)
+        if codec is None:
+            raise ValueError(
+                "AutoencoderWarmup needs CompressedDDPStrategy(codec='lgc'); "
+                f"the strategy is {type(trainer.strategy).__name__} with codec {getattr(trainer.strategy, 'codec', None)!r}"
+            )
+        # runs on every rank before the strategy registers the hook (and compares codec options)
+        if self.warmup_steps is not None:
+            codec.warmup_steps = codec.start_step = self.warmup_steps
+        if self.ae_train_steps is not None:
+            codec.ae_train_steps = self.ae_train_steps
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        codec, state = self._codec(trainer), getattr(trainer.strategy, "hook_state", None)
+        if codec is None or state is None or state.step == 0:
+            return
+        scalars = {"gradcomp/lgc_stage": float(codec.stage(state.step - 1))}
+        if codec.ae_trained and math.isfinite(codec.ae_loss):
+            scalars["gradcomp/ae_loss"] = codec.ae_loss
+            scalars["gradcomp/ae_recon_error"] = codec.ae_recon_error
+            scalars["gradcomp/ae_train_s"] = codec.ae_train_s
+        pl_module.log_dict(scalars, on_step=True, on_epoch=False, batch_size=1)

@@ -1,0 +1,584 @@
+"""``lgc``: Learned Gradient Compression (Abrahamyan, Chen, Bekoulis & Deligiannis, TNNLS 2021).
+
+Paper: https://arxiv.org/abs/2103.08870. Gradients computed on different ranks are correlated; a
+small 1-D convolutional autoencoder (AE), trained on real gradients early in training, learns a code
+for what they have in common. Training runs in three stages, switched on the same global optimizer
+step on every rank:
+
+1. ``step < warmup_steps``: dense all-reduce.
+2. ``warmup_steps <= step < warmup_steps + ae_train_steps``: top-k on a *shared support* with error
+   feedback. Every step a leader (rank ``step % N``) picks each layer's top-k positions ``S``
+   (``k = ceil(ratio * numel)``) and broadcasts them; every rank sends its values ``v_i = x_i[S]``
+   (all-gather), so each rank sums ``sum_i v_i`` and also sees every ``v_i``: the AE's training data.
+3. Afterwards: the AE, trained once at the switch on rank 0 and broadcast (identical weights on every
+   rank, checked by a hash), is frozen and compresses ``v_i``.
+
+Two variants of stage 3 (``variant``):
+
+``"rar"`` (ring all-reduce)
+    The leader broadcasts ``S`` and a scale ``s`` (the RMS of its own ``v``). Every rank encodes
+    ``z_i = E(v_i / s)`` with the same encoder and the latents are **all-reduced** (summed on the
+    ring). Every rank decodes once: ``mean_i v_i ~ s * D(sum_i z_i / N)``. Since ``E`` is
+    nonlinear, ``D`` is trained on averaged latents: loss ``MSE(D(mean_i z_i), mean_i v_i / s)
+    + 0.5 * mean_i MSE(D(z_i), v_i / s)``.
+``"ps"`` (parameter server)
+    Only the leader's code travels: the leader broadcasts ``S``, ``s`` and ``z = E(v_lead / s)``.
+    Every rank adds its *innovation* (its ``k_i = ceil(innovation_ratio * numel)`` largest values
+    within ``S``, with their positions) and these small messages are all-gathered. Every rank then
+    plays the server: ``v_i ~ s * D(z, u_i)`` for each rank ``i``, with ``u_i`` the innovation
+    scattered onto ``S`` and fed to the decoder as an extra channel, and sums. Loss (as in the
+    SOFF re-implementation): ``0.5 * mean_i MSE(D(z_r, u_i), v_i / s)`` with a random rank ``r``
+    whose latent decodes every rank, plus ``0.5 *`` the mean pairwise MSE between latents.
+
+Layers whose ``k`` is below :data:`MIN_AE_LEN` send their values on the shared support without the AE
+(all-reduced or all-gathered sums of ``v_i``, exact). Residual (error feedback): everything outside
+``S``; with ``"ps"`` also ``v_i - s * D(z, u_i)``, which every rank knows exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import threading
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_gradcomp.codecs.base import (
+    Codec,
+    CodecContext,
+    EncodeResult,
+    check_choice,
+    check_fraction,
+    check_positive_int,
+)
+from lightning_gradcomp.registry import register_codec
+
+__all__ = ["LGCCodec", "GradientAutoencoder", "MIN_AE_LEN"]
+
+#: layers with fewer kept values than this bypass the AE (four stride-2 convolutions need ~31)
+MIN_AE_LEN = 64
+VARIANTS = ("rar", "ps")
+SELECTIONS = ("sampled", "exact")
+
+
+class GradientAutoencoder(nn.Module):
+    """A 1-D convolutional autoencoder for vectors of kept gradient values.
+
+    Encoder (SOFF's layout with widths ``w, 2w, 4w, w``): four ``Conv1d(k=3, stride=2)`` with
+    LeakyReLU, then a linear ``Conv1d(k=1)`` to ``latent_channels``; a length-``K`` input becomes a
+    ``latent_channels x L`` code with ``L ~ K / 16``. Decoder: four ``ConvTranspose1d(k=3,
+    stride=2)`` (widths ``w/2, w, 2w, w/2``) with LeakyReLU, linear interpolation back to ``K``, and
+    a ``Conv1d(k=1)`` head; with ``innovation=True`` the head also reads one channel of sparse
+    node-specific values (SOFF's LGC-PS decoder).
+
+    Args:
+        width: ``w`` above (SOFF uses 64).
+        latent_channels: channels of the code; the AE sends ``latent_channels / 16`` of its input.
+        innovation: add the innovation input channel to the decoder head.
+    """
+
+    def __init__(self, width: int = 16, latent_channels: int = 4, innovation: bool = False) -> None:
+        super().__init__()
+        w, c, h = width, latent_channels, max(width // 2, 1)
+        act = nn.LeakyReLU
+        self.encoder = nn.Sequential(
+            nn.Conv1d(1, w, 3, stride=2), act(),
+            nn.Conv1d(w, 2 * w, 3, stride=2), act(),
+            nn.Conv1d(2 * w, 4 * w, 3, stride=2), act(),
+            nn.Conv1d(4 * w, w, 3, stride=2), act(),
+            nn.Conv1d(w, c, 1),  # linear: latents are averaged across ranks (RAR)
+        )  # fmt: skip
+        self.decoder = nn.Sequential(
+            nn.ConvTranspose1d(c, h, 3, stride=2), act(),
+            nn.ConvTranspose1d(h, w, 3, stride=2), act(),
+            nn.ConvTranspose1d(w, 2 * w, 3, stride=2), act(),
+            nn.ConvTranspose1d(2 * w, h, 3, stride=2), act(),
+        )  # fmt: skip
+        self.head = nn.Conv1d(h + int(innovation), 1, 1)
+        self.latent_channels = c
+        self.innovation = innovation
+
+    @staticmethod
+    def latent_len(k: int) -> int:
+        """Code length ``L`` for an input of length ``k`` (four unpadded stride-2, kernel-3 convs)."""
+        for _ in range(4):
+            k = (k - 3) // 2 + 1
+        return k
+
+    def encode(self, v: Tensor) -> Tensor:
+        """``(B, K) -> (B, c, L)``."""
+        return self.encoder(v.unsqueeze(1))
+
+    def decode(self, z: Tensor, k: int, u: Tensor | None = None) -> Tensor:
+        """``(B, c, L) -> (B, K)``; ``u`` is the ``(B, K)`` innovation channel when ``innovation``."""
+        y = F.interpolate(self.decoder(z), size=k, mode="linear", align_corners=False)
+        if self.innovation:
+            y = torch.cat([y, (torch.zeros_like(y[:, :1]) if u is None else u.unsqueeze(1))], dim=1)
+        return self.head(y).squeeze(1)
+
+
+@register_codec("lgc")
+class LGCCodec(Codec):
+    """Learned Gradient Compression with a shared support (see the module docstring).
+
+    Args:
+        variant: ``"rar"`` (latents summed in a ring all-reduce; default) or ``"ps"`` (the leader's
+            latent plus every rank's sparse innovation, decoded on every rank as the server).
+        warmup_steps: optimizer steps of dense all-reduce (stage 1; SOFF: 200 rounds). The hook
+            never compresses before step 2.
+        ae_train_steps: steps of shared-support top-k while gradients are collected (stage 2; SOFF:
+            300 rounds). The AE is trained at its end.
+        ratio: fraction of each layer's entries on the shared support (SOFF's rho_g: 1e-3).
+        innovation_ratio: ``"ps"`` only: fraction of each layer's entries sent as innovation
+            (SOFF's rho_i: 1e-5); must be below ``ratio``.
+        latent_channels: AE code channels; the code is ``latent_channels / 16`` of the kept values
+            (SOFF: 4, i.e. 4x).
+        ae_width: AE base width (SOFF: 64; default 16 keeps the per-step cost at a few ms).
+        ae_lr: Adam learning rate of the AE.
+        ae_epochs: passes over the collected samples when the AE is trained.
+        ae_time_budget_s: wall-clock cap on AE training (it stalls every rank while it runs).
+        ae_samples: how many of stage 2's last steps are kept as training data.
+        selection: how the leader finds the top-k: ``"sampled"`` (threshold from a random sample,
+            then exact top-k among the candidates, as DGC; ~3x cheaper) or ``"exact"``.
+        max_recon_error: a layer uses the AE in stage 3 only if the held-out relative error of its
+            decoded aggregate is at most this; other layers keep sending their values on the shared
+            support (stage 2's exact sum). Our choice, so that a poor code cannot silently drop the
+            values; ``float("inf")`` uses the AE everywhere.
+        seed: seeds the AE initialization, its training and the sampling.
+        **kwargs: the common codec options (``error_feedback`` on by default, ``min_numel``).
+    """
+
+    default_error_feedback = True
+
+    def __init__(
+        self,
+        variant: str = "rar",
+        warmup_steps: int = 200,
+        ae_train_steps: int = 300,
+        ratio: float = 1e-3,
+        innovation_ratio: float = 1e-5,
+        latent_channels: int = 4,
+        ae_width: int = 16,
+        ae_lr: float = 1e-3,
+        ae_epochs: int = 3,
+        ae_time_budget_s: float = 30.0,
+        ae_samples: int = 64,
+        selection: str = "sampled",
+        max_recon_error: float = 0.7,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        if "start_step" in kwargs:
+            raise ValueError("lgc schedules its stages with warmup_steps and ae_train_steps, not start_step")
+        super().__init__(**kwargs)
+        self.variant = check_choice("variant", variant, VARIANTS)
+        self.warmup_steps = check_positive_int("warmup_steps", warmup_steps, allow_zero=True)
+        self.ae_train_steps = check_positive_int("ae_train_steps", ae_train_steps)
+        self.ratio = check_fraction("ratio", ratio)
+        self.innovation_ratio = check_fraction("innovation_ratio", innovation_ratio)
+        if self.innovation_ratio >= self.ratio:
+            raise ValueError(f"innovation_ratio must be below ratio ({self.ratio}), got {self.innovation_ratio}")
+        self.latent_channels = check_positive_int("latent_channels", latent_channels)
+        self.ae_width = check_positive_int("ae_width", ae_width)
+        if not (isinstance(ae_lr, (int, float)) and math.isfinite(ae_lr) and ae_lr > 0):
+            raise ValueError(f"ae_lr must be a positive number, got {ae_lr!r}")
+        self.ae_lr = float(ae_lr)
+        self.ae_epochs = check_positive_int("ae_epochs", ae_epochs)
+        if not (isinstance(ae_time_budget_s, (int, float)) and ae_time_budget_s > 0):
+            raise ValueError(f"ae_time_budget_s must be a positive number of seconds, got {ae_time_budget_s!r}")
+        self.ae_time_budget_s = float(ae_time_budget_s)
+        self.ae_samples = check_positive_int("ae_samples", ae_samples)
+        self.selection = check_choice("selection", selection, SELECTIONS)
+        if not (isinstance(max_recon_error, (int, float)) and max_recon_error > 0):
+            raise ValueError(f"max_recon_error must be a positive number, got {max_recon_error!r}")
+        self.max_recon_error = float(max_recon_error)
+        self.seed = int(seed)
+        self.start_step = self.warmup_steps
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            self.ae = GradientAutoencoder(self.ae_width, self.latent_channels, innovation=self.variant == "ps")
+        self.ae.requires_grad_(False)
+        # identical on every rank: the AE, whether it is trained, its training summary, the samples
+        self._ae_state = {"trained": False, "loss": float("nan"), "recon_error": float("nan"), "train_s": float("nan")}
+        self._ae_layers: dict[str, float] = {}  # layers that use the AE in stage 3 -> held-out error
+        self._samples: list[tuple[str, int, int, int, Tensor]] = []  # key, step, leader, numel, (N, K) values
+        self._samples_lock = threading.Lock()
+        self._step = 0
+        self._shared: dict[str, tuple[Tensor, float, Tensor | None]] = {}  # key -> support, scale, leader z
+        self.last_timing: dict[str, float] = {}
+
+    # training summary (kept out of options(): it changes during the run)
+    @property
+    def ae_trained(self) -> bool:
+        return bool(self._ae_state["trained"])
+
+    @property
+    def ae_loss(self) -> float:
+        """Mean AE training loss over its last epoch (NaN before training)."""
+        return float(self._ae_state["loss"])
+
+    @property
+    def ae_recon_error(self) -> float:
+        """Relative error of the decoded aggregate on held-out stage-2 samples (NaN before training)."""
+        return float(self._ae_state["recon_error"])
+
+    @property
+    def ae_train_s(self) -> float:
+        """Seconds the switch took (training, broadcast and check) on this rank."""
+        return float(self._ae_state["train_s"])
+
+    # ----------------------------------------------------------------------------------------------
+    # schedule
+    @property
+    def ae_start_step(self) -> int:
+        """First step of stage 3."""
+        return self.warmup_steps + self.ae_train_steps
+
+    def stage(self, step: int) -> int:
+        """1 (dense), 2 (shared-support top-k, collecting) or 3 (learned code) at ``step``."""
+        if step < max(self.warmup_steps, 2):
+            return 1
+        return 2 if step < self.ae_start_step or not self.ae_trained else 3
+
+    def is_compressing(self, step: int) -> bool:
+        self._step = step  # called for every bucket before anything else: the stage of this step
+        return step >= self.warmup_steps
+
+    @property
+    def collective(self) -> str:  # type: ignore[override]
+        # stage 2 gathers every rank's values (the AE's training data); RAR's stage 3 sums latents
+        return "allreduce" if self.variant == "rar" and self.stage(self._step) == 3 else "allgather"
+
+    def setup(self, context: CodecContext) -> None:
+        super().setup(context)
+        self.ae.to(context.device)
+
+    def k_for(self, numel: int) -> int:
+        return max(1, min(numel, math.ceil(self.ratio * numel)))
+
+    def innovation_k(self, numel: int) -> int:
+        return max(1, min(self.k_for(numel), math.ceil(self.innovation_ratio * numel)))
+
+    # ----------------------------------------------------------------------------------------------
+    # the shared support: chosen by the leader, broadcast in the hook body
+    def _select(self, x: Tensor, k: int, step: int) -> Tensor:
+        a = x.abs()
+        n = a.numel()
+        if self.selection == "sampled" and n > 16 * k:
+            # DGC-style: a threshold from a random sample that should keep ~2k candidates, then the
+            # exact top-k among them; the rare miss (fewer than k candidates) falls back to exact
+            g = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + step)
+            m = min(n, max(4096, math.ceil(20 * n / k)))
+            sample = a[torch.randint(0, n, (m,), generator=g).to(a.device)]
+            keep = max(1, min(m, round(2 * k * m / n)))
+            thr = torch.kthvalue(sample, m - keep + 1).values
+            cand = (a >= thr).nonzero().squeeze(1)
+            if cand.numel() >= k:
+                top = torch.topk(a[cand], k, sorted=False).indices
+                return cand[top].sort().values
+        return torch.topk(a, k, sorted=False).indices.sort().values
+
+    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], step: int) -> int:
+        t0 = time.perf_counter()
+        stage = self.stage(step)
+        if stage == 3 and not self.ae_trained:  # resumed exactly at the switch: train now
+            self.train_autoencoder()
+            stage = self.stage(step)
+        world, leader = self.world_size, step % self.world_size
+        is_leader = self.rank == leader
+        device = layers[0][1].device
+        sizes = [self.k_for(x.numel()) for _, x, _ in layers]
+        use_ae = [stage == 3 and k >= MIN_AE_LEN and key in self._ae_layers for (key, _, _), k in zip(layers, sizes)]
+        lat = [self.latent_channels * GradientAutoencoder.latent_len(k) if a else 0 for k, a in zip(sizes, use_ae)]
+        n_scales = sum(use_ae)
+        n_lat = sum(lat) if self.variant == "ps" else 0
+        msg = torch.empty(sum(sizes) + n_scales + n_lat, dtype=torch.int32, device=device)
+        if is_leader:
+            idx_parts, scales, zs = [], [], []
+            for (key, x, _), k, a in zip(layers, sizes, use_ae):
+                idx = self._select(x, k, step)
+                idx_parts.append(idx.to(torch.int32))
+                if a:
+                    v = x[idx]
+                    s = float(v.pow(2).mean().sqrt()) + 1e-30
+                    scales.append(s)
+                    if self.variant == "ps":
+                        with torch.no_grad():
+                            zs.append(self.ae.encode((v / s).unsqueeze(0)).reshape(-1))
+            parts = idx_parts + [torch.tensor(scales, dtype=torch.float32, device=device).view(torch.int32)]
+            parts += [z.view(torch.int32) for z in zs]
+            torch.cat(parts, out=msg)
+        if world > 1:
+            dist.broadcast(msg, src=leader)
+        off_i, off_s, off_z = 0, sum(sizes), sum(sizes) + n_scales
+        for (key, _, _), k, a, nl in zip(layers, sizes, use_ae, lat):
+            idx = msg[off_i : off_i + k].long()
+            off_i += k
+            s, z = 1.0, None
+            if a:
+                s = float(msg[off_s : off_s + 1].view(torch.float32))
+                off_s += 1
+                if self.variant == "ps":
+                    z = msg[off_z : off_z + nl].view(torch.float32).view(1, self.latent_channels, -1)
+                    off_z += nl
+            self._shared[key] = (idx, s, z)
+        self.last_timing["prepare_s"] = time.perf_counter() - t0
+        return msg.numel() * 4
+
+    # ----------------------------------------------------------------------------------------------
+    # encode / decode
+    def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
+        idx, s, z_lead = self._shared.pop(key)
+        v = x[idx]
+        local = torch.zeros_like(x)
+        k = idx.numel()
+        if self.stage(step) < 3 or k < MIN_AE_LEN or key not in self._ae_layers:
+            local[idx] = v
+            return EncodeResult([v], local=local, ctx=(idx, s, None, step, key))
+        with torch.no_grad():
+            if self.variant == "rar":
+                local[idx] = v  # the residual keeps what is off the support (the AE error is not fed back)
+                return EncodeResult([self.ae.encode((v / s).unsqueeze(0)).reshape(-1)], local=local, ctx=(idx, s, None, step, key))
+            # ps: send the innovation; what the server will reconstruct for this rank is known here
+            ki = self.innovation_k(x.numel())
+            pos = torch.topk(v.abs(), ki, sorted=False).indices
+            u = torch.zeros_like(v)
+            u[pos] = v[pos] / s
+            local[idx] = s * self.ae.decode(z_lead, k, u.unsqueeze(0))[0]
+            return EncodeResult([v[pos], pos.to(torch.int32)], local=local, ctx=(idx, s, z_lead, step, key))
+
+    def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
+        # allreduce (RAR stage 3): payload is the sum over ``count`` ranks; return the sum of gradients
+        idx, s = ctx[0], ctx[1]
+        out = torch.zeros(numel, dtype=torch.float32, device=payload[0].device)
+        if idx.numel() < MIN_AE_LEN or ctx[4] not in self._ae_layers:
+            out[idx] = payload[0].float()
+            return out
+        with torch.no_grad():
+            zbar = payload[0].float().view(1, self.latent_channels, -1) / count
+            out[idx] = (count * s) * self.ae.decode(zbar, idx.numel())[0]
+        return out
+
+    def aggregate(self, payloads: Sequence[list[Tensor]], ctx: Any, numel: int) -> Tensor:
+        idx, s, z_lead, step, key = ctx
+        out = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
+        k = idx.numel()
+        if z_lead is None:  # stage 2, or a layer too short for the AE: plain values on the support
+            values = torch.stack([p[0].float() for p in payloads])
+            out[idx] = values.sum(0)
+            if self.stage(step) == 2 and k >= MIN_AE_LEN and step >= self.ae_start_step - self.ae_samples:
+                with self._samples_lock:
+                    self._samples.append((key, step, step % len(payloads), numel, values.detach().cpu().clone()))
+            return out
+        u = torch.zeros(len(payloads), k, dtype=torch.float32, device=out.device)
+        for r, p in enumerate(payloads):
+            u[r, p[1].long()] = p[0].float() / s
+        with torch.no_grad():
+            vhat = self.ae.decode(z_lead.expand(len(payloads), -1, -1), k, u)
+        out[idx] = s * vhat.sum(0)
+        return out
+
+    # ----------------------------------------------------------------------------------------------
+    # training at the switch: rank 0 trains, everyone receives the weights
+    def on_step_end(self, step: int) -> None:
+        if step + 1 >= self.ae_start_step and not self.ae_trained:
+            self.train_autoencoder()
+
+    def train_autoencoder(self) -> None:
+        """Fit the AE on the collected samples (rank 0), broadcast it, check it is identical.
+
+        Must run on every rank at the same point (it broadcasts). Sets :attr:`ae_loss` (last-epoch
+        mean training loss), :attr:`ae_recon_error` (relative error ``||v_hat - v|| / ||v||`` of the
+        aggregate on held-out samples: the most recent 1/8 of the steps) and :attr:`ae_train_s`.
+        """
+        t0 = time.perf_counter()
+        with self._samples_lock:  # identical on every rank: every rank saw every rank's values
+            keys = sorted({smp[0] for smp in self._samples})
+        stats = torch.zeros(2 + len(keys), dtype=torch.float64)
+        if self.rank == 0:
+            loss, per_layer = self._fit()
+            errors = [per_layer.get(k, (0.0, 0.0)) for k in keys]
+            err, ref = sum(e for e, _ in errors), sum(r for _, r in errors)
+            stats[0], stats[1] = loss, (math.sqrt(err / ref) if ref > 0 else float("nan"))
+            stats[2:] = torch.tensor([math.sqrt(e / r) if r > 0 else math.inf for e, r in errors], dtype=torch.float64)
+        if self.world_size > 1:
+            flat = nn.utils.parameters_to_vector(self.ae.parameters()).detach()
+            dist.broadcast(flat, src=0)
+            nn.utils.vector_to_parameters(flat, self.ae.parameters())
+            dist.broadcast(stats, src=0)
+            digest = torch.tensor([self.ae_digest() >> 2], dtype=torch.int64)
+            all_d = [torch.zeros_like(digest) for _ in range(self.world_size)]
+            dist.all_gather(all_d, digest)
+            if len({int(d) for d in all_d}) != 1:
+                raise RuntimeError("lgc: autoencoder weights differ between ranks after the broadcast")
+        self.ae.requires_grad_(False)
+        self._ae_layers = {k: float(e) for k, e in zip(keys, stats[2:].tolist()) if e <= self.max_recon_error}
+        with self._samples_lock:
+            self._samples.clear()  # stage 3 never needs them again
+        self._ae_state = {
+            "trained": True,
+            "loss": float(stats[0]),
+            "recon_error": float(stats[1]),
+            "train_s": time.perf_counter() - t0,
+        }
+
+    def _fit(self) -> tuple[float, dict[str, tuple[float, float]]]:
+        with self._samples_lock:
+            samples = list(self._samples)
+        if not samples:
+            return float("nan"), {}
+        steps = sorted({s[1] for s in samples})
+        n_val = len(steps) // 8
+        val_steps = set(steps[len(steps) - n_val :]) if n_val else set()
+        train = [s for s in samples if s[1] not in val_steps] or samples
+        val = [s for s in samples if s[1] in val_steps] or samples
+        device = next(self.ae.parameters()).device
+        ae = self.ae
+        ae.requires_grad_(True)
+        opt = torch.optim.Adam(ae.parameters(), lr=self.ae_lr)
+        rng = random.Random(self.seed)
+        batches = _batches(train, 8)
+        deadline = time.perf_counter() + self.ae_time_budget_s
+        last = float("nan")
+        # the hook runs inside DDP's backward, where autograd is off: a nested backward is allowed
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            torch.manual_seed(self.seed)
+            for _ in range(self.ae_epochs):
+                rng.shuffle(batches)
+                total, count = 0.0, 0
+                for batch in batches:
+                    v, _ = self._normalized(batch, device)
+                    loss = self._loss(v, batch[0][3], rng)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    total, count = total + float(loss.detach()), count + 1
+                    if time.perf_counter() > deadline:
+                        break
+                last = total / max(count, 1)
+                if time.perf_counter() > deadline:
+                    break
+        ae.requires_grad_(False)
+        return last, self._recon_error(val, device)
+
+    def _normalized(self, batch: list[tuple[str, int, int, int, Tensor]], device: torch.device) -> tuple[Tensor, Tensor]:
+        v = torch.stack([b[4] for b in batch]).to(device)  # (B, N, K)
+        lead = torch.tensor([b[2] for b in batch], device=device)
+        s = v[torch.arange(len(batch), device=device), lead].pow(2).mean(-1).sqrt().clamp_min(1e-30)
+        return v / s.view(-1, 1, 1), s
+
+    def _innovation(self, v: Tensor, numel: int) -> Tensor:
+        ki = self.innovation_k(numel)
+        pos = v.abs().topk(ki, dim=-1).indices
+        return torch.zeros_like(v).scatter_(-1, pos, v.gather(-1, pos))
+
+    def _loss(self, v: Tensor, numel: int, rng: random.Random) -> Tensor:
+        b, n, k = v.shape
+        z = self.ae.encode(v.reshape(b * n, k)).view(b, n, self.latent_channels, -1)
+        if self.variant == "rar":
+            agg = F.mse_loss(self.ae.decode(z.mean(1), k), v.mean(1))
+            node = F.mse_loss(self.ae.decode(z.reshape(b * n, self.latent_channels, -1), k), v.reshape(b * n, k))
+            return agg + 0.5 * node
+        r = rng.randrange(n)  # SOFF's trick: one rank's latent must decode every rank's values
+        zr = z[:, r : r + 1].expand(b, n, -1, -1).reshape(b * n, self.latent_channels, -1)
+        rec = F.mse_loss(self.ae.decode(zr, k, self._innovation(v, numel).reshape(b * n, k)), v.reshape(b * n, k))
+        sim = (z.unsqueeze(1) - z.unsqueeze(2)).pow(2).mean() * n / max(n - 1, 1) if n > 1 else z.sum() * 0
+        return 0.5 * rec + 0.5 * sim
+
+    @torch.no_grad()
+    def _recon_error(self, samples: list, device: torch.device) -> dict[str, tuple[float, float]]:
+        """Per layer: squared error and squared norm of the decoded aggregate (normalized units)."""
+        out: dict[str, tuple[float, float]] = {}
+        for batch in _batches(samples, 8):
+            v, _ = self._normalized(batch, device)
+            b, n, k = v.shape
+            z = self.ae.encode(v.reshape(b * n, k)).view(b, n, self.latent_channels, -1)
+            if self.variant == "rar":
+                vhat = self.ae.decode(z.mean(1), k)
+            else:
+                lead = torch.tensor([x[2] for x in batch], device=device)
+                zl = z[torch.arange(b, device=device), lead]
+                u = self._innovation(v, batch[0][3])
+                vhat = self.ae.decode(zl.repeat_interleave(n, 0), k, u.reshape(b * n, k)).view(b, n, k).mean(1)
+            e, r = out.get(batch[0][0], (0.0, 0.0))
+            out[batch[0][0]] = (e + float((vhat - v.mean(1)).pow(2).sum()), r + float(v.mean(1).pow(2).sum()))
+        return out
+
+    def ae_digest(self) -> int:
+        """A 64-bit digest of the AE's weights (compare it across ranks)."""
+        h = hashlib.sha256()
+        for t in self.ae.state_dict().values():
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        return int.from_bytes(h.digest()[:8], "little")
+
+    @property
+    def ae_layers(self) -> dict[str, float]:
+        """Layers that use the AE in stage 3, with their held-out relative error."""
+        return dict(self._ae_layers)
+
+    def ae_cost(self) -> dict[str, float]:
+        """Parameter count and bytes of the AE."""
+        n = sum(p.numel() for p in self.ae.parameters())
+        return {"ae_params": float(n), "ae_param_bytes": float(4 * n)}
+
+    # ----------------------------------------------------------------------------------------------
+    # checkpointing: identical on every rank
+    def state_dict(self) -> dict[str, Any]:
+        with self._samples_lock:
+            samples = [
+                {"key": k, "step": s, "leader": lead, "numel": n, "values": v.clone()}
+                for k, s, lead, n, v in self._samples
+            ]
+        return {
+            "ae": {k: v.detach().cpu().clone() for k, v in self.ae.state_dict().items()},
+            "ae_trained": self.ae_trained,
+            "ae_loss": self.ae_loss,
+            "ae_recon_error": self.ae_recon_error,
+            "ae_train_s": self.ae_train_s,
+            "ae_layers": dict(self._ae_layers),
+            "samples": samples,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        device = next(self.ae.parameters()).device
+        self.ae.load_state_dict({k: v.to(device) for k, v in state["ae"].items()})
+        self.ae.requires_grad_(False)
+        self._ae_state = {
+            "trained": bool(state["ae_trained"]),
+            "loss": float(state["ae_loss"]),
+            "recon_error": float(state["ae_recon_error"]),
+            "train_s": float(state["ae_train_s"]),
+        }
+        self._ae_layers = {str(k): float(v) for k, v in state["ae_layers"].items()}
+        with self._samples_lock:
+            self._samples = [
+                (d["key"], int(d["step"]), int(d["leader"]), int(d["numel"]), d["values"]) for d in state["samples"]
+            ]
+
+    def __getstate__(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d.pop("_samples_lock")
+        return d
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._samples_lock = threading.Lock()
+
+
+def _batches(samples: list, size: int) -> list[list]:
+    """Group samples of one layer (equal length ``K``) into batches of at most ``size``."""
+    groups: dict[str, list] = {}
+    for s in samples:
+        groups.setdefault(s[0], []).append(s)
+    out = []
+    for g in groups.values():
+        out.extend(g[i : i + size] for i in range(0, len(g), size))
+    return out

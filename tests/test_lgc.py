@@ -1,0 +1,289 @@
+"""Learned Gradient Compression (``lgc``): stages, both variants on 2 gloo ranks, checkpoints."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_gradcomp.codecs.lgc import MIN_AE_LEN, GradientAutoencoder, LGCCodec
+from lightning_gradcomp.registry import make_codec
+
+from dist_utils import run_gloo
+
+WARMUP, AE_STEPS, STAGE3 = 3, 5, 3
+RATIO, INNOV, LATENT = 0.1, 0.01, 4
+OPTS = dict(
+    warmup_steps=WARMUP,
+    ae_train_steps=AE_STEPS,
+    ratio=RATIO,
+    innovation_ratio=INNOV,
+    ae_epochs=3,
+    min_numel=1000,
+    max_recon_error=100.0,  # every layer uses the AE, whatever it learned from a few random batches
+)
+
+
+def _mlp() -> nn.Module:
+    # layer sizes 16384, 65536, 2560: K = 1639, 6554, 256 (all >= MIN_AE_LEN); biases go dense
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+# --------------------------------------------------------------------------------------------------
+# construction
+@pytest.mark.parametrize(
+    "opts, match",
+    [
+        (dict(variant="tree"), "variant must be one of"),
+        (dict(ratio=0.0), "ratio must be in"),
+        (dict(ratio=0.01, innovation_ratio=0.02), "innovation_ratio must be below ratio"),
+        (dict(ae_train_steps=0), "ae_train_steps must be an integer >= 1"),
+        (dict(warmup_steps=-1), "warmup_steps must be an integer >= 0"),
+        (dict(latent_channels=0), "latent_channels"),
+        (dict(ae_lr=0.0), "ae_lr must be a positive number"),
+        (dict(ae_time_budget_s=-1), "ae_time_budget_s"),
+        (dict(selection="random"), "selection must be one of"),
+        (dict(start_step=5), "warmup_steps and ae_train_steps"),
+        (dict(max_recon_error=0), "max_recon_error must be a positive number"),
+    ],
+)
+def test_invalid_options_raise(opts, match):
+    with pytest.raises(ValueError, match=match):
+        make_codec("lgc", **opts)
+
+
+def test_autoencoder_code_length():
+    ae = GradientAutoencoder(width=8, latent_channels=LATENT)
+    for k in (MIN_AE_LEN, 1000, 6554):
+        z = ae.encode(torch.randn(2, k))
+        assert z.shape == (2, LATENT, GradientAutoencoder.latent_len(k))
+        assert z.numel() / 2 <= LATENT * k / 16 + LATENT  # the code is ~latent/16 of the input
+        assert ae.decode(z, k).shape == (2, k)
+
+
+def test_stage_schedule():
+    c = LGCCodec(warmup_steps=10, ae_train_steps=5)
+    assert [c.stage(s) for s in (0, 9, 10, 14, 15)] == [1, 1, 2, 2, 2]  # 3 only once trained
+    c._ae_state["trained"] = True
+    assert c.stage(15) == 3 and c.stage(14) == 2
+    assert not c.is_compressing(9) and c.is_compressing(10)
+
+
+@pytest.mark.parametrize("variant", ["rar", "ps"])
+def test_state_dict_round_trip_restores_the_autoencoder(variant):
+    """Train on synthetic correlated samples, save with torch.save, load with weights_only=True."""
+    c = LGCCodec(variant=variant, ae_epochs=1, ratio=RATIO, innovation_ratio=INNOV, max_recon_error=100.0)
+    g = torch.Generator().manual_seed(0)
+    common = torch.randn(300, generator=g)
+    for step in range(6):
+        v = torch.stack([common + 0.3 * torch.randn(300, generator=g) for _ in range(2)]) * 1e-3
+        c._samples.append(("w", step, step % 2, 3000, v))
+    c.train_autoencoder()
+    assert c.ae_trained and math.isfinite(c.ae_loss) and math.isfinite(c.ae_recon_error)
+    buf = io.BytesIO()
+    torch.save(c.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    d = LGCCodec(variant=variant, ratio=RATIO, innovation_ratio=INNOV, seed=1)
+    assert d.ae_digest() != c.ae_digest()
+    d.load_state_dict(state)
+    assert d.ae_digest() == c.ae_digest() and d.ae_trained and d.ae_loss == c.ae_loss
+    assert d.ae_layers == c.ae_layers
+    z = c.ae.encode(torch.randn(1, 300, generator=g))
+    u = torch.zeros(1, 300)
+    assert torch.equal(c.ae.decode(z, 300, u), d.ae.decode(z, 300, u))
+    assert list(c.ae_layers) == ["w"]
+
+
+def test_poor_code_is_gated_off():
+    """A layer whose held-out error exceeds max_recon_error keeps sending exact values."""
+    c = LGCCodec(ae_epochs=1, ratio=RATIO, max_recon_error=1e-6)
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        c._samples.append(("w", step, step % 2, 3000, torch.randn(2, 300, generator=g)))
+    c.train_autoencoder()
+    assert c.ae_trained and c.ae_layers == {} and c.ae_recon_error > 1e-6
+
+
+# --------------------------------------------------------------------------------------------------
+# two real gloo ranks, raw DDP
+def _train_both_variants(rank: int, world: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_gradcomp.api import make_comm_hook
+
+    out = {}
+    for variant in ("rar", "ps"):
+        torch.manual_seed(0)
+        model = _mlp()
+        ref = _mlp()
+        ddp = DDP(model)
+        state, hook = make_comm_hook("lgc", ddp, variant=variant, **OPTS)
+        ddp.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        gen = torch.Generator().manual_seed(100 + rank)  # every rank sees different data
+        steps = []
+        for step in range(WARMUP + AE_STEPS + STAGE3):
+            x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+            ref.load_state_dict(model.state_dict())
+            nn.functional.cross_entropy(ref(x), y).backward()
+            dense = [p.grad.clone() for p in ref.parameters()]
+            for t in dense:
+                dist.all_reduce(t)
+                t /= world
+            ref.zero_grad()
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            st = state.stats.pop()
+            grads = [p.grad.clone() for p in model.parameters()]
+            steps.append(
+                {
+                    "stage": state.codec.stage(step),
+                    "wire": st.wire_bytes,
+                    "payload": st.payload_bytes,
+                    "ratio": st.compression_ratio,
+                    "grads": [g.numpy().copy() for g in grads],
+                    "dense_err": max(float((g - d).abs().max()) for g, d in zip(grads, dense)),
+                }
+            )
+            opt.step()
+        out[variant] = {
+            "steps": steps,
+            "digest": state.codec.ae_digest(),
+            "trained": state.codec.ae_trained,
+            "ae_loss": state.codec.ae_loss,
+        }
+    return out
+
+
+def _expected_wire(stage: int, variant: str, world: int) -> float:
+    sizes = [p.numel() for p in _mlp().parameters() if p.numel() >= 1000]
+    dense = sum(p.numel() for p in _mlp().parameters() if p.numel() < 1000) + 1  # + the non-finite flag
+    ks = [math.ceil(RATIO * n) for n in sizes]
+    if stage == 2:  # indices broadcast; values all-gathered
+        return 4 * sum(ks) + (world - 1) * 4 * (sum(ks) + dense)
+    bcast = 4 * (sum(ks) + len(ks))  # indices and one scale per layer
+    lat = [LATENT * GradientAutoencoder.latent_len(k) for k in ks]
+    if variant == "rar":  # latents summed in the ring all-reduce
+        return bcast + 2 * (world - 1) / world * 4 * (sum(lat) + dense)
+    inn = [max(1, math.ceil(INNOV * n)) for n in sizes]  # ps: leader's latents, everyone's innovation
+    return bcast + 4 * sum(lat) + (world - 1) * (8 * sum(inn) + 4 * dense)
+
+
+def test_both_variants_two_ranks():
+    res = run_gloo(_train_both_variants, world_size=2, timeout=300)
+    sizes = [p.numel() for p in _mlp().parameters()]
+    for variant in ("rar", "ps"):
+        r0, r1 = res[0][variant], res[1][variant]
+        assert r0["trained"] and r1["trained"] and r0["digest"] == r1["digest"], "AE must be identical"
+        assert [s["stage"] for s in r0["steps"]] == [1] * WARMUP + [2] * AE_STEPS + [3] * STAGE3
+        for s0, s1 in zip(r0["steps"], r1["steps"]):
+            # every rank decodes the same aggregate, bit for bit
+            assert all((a == b).all() for a, b in zip(s0["grads"], s1["grads"])), (variant, s0["stage"])
+            if s0["stage"] == 1:
+                assert s0["dense_err"] < 1e-6  # stage 1 is the dense average
+                continue
+            # compressed layers are nonzero only on the k shared positions
+            for g, n in zip(s0["grads"], sizes):
+                if n >= 1000:
+                    assert (g != 0).sum() <= math.ceil(RATIO * n)
+            for s in (s0, s1):
+                assert s["wire"] == pytest.approx(_expected_wire(s["stage"], variant, 2)), (variant, s["stage"])
+        raw = r0["steps"][0]["wire"]
+        stage2 = [s["ratio"] for s in r0["steps"] if s["stage"] == 2]
+        stage3 = [s["ratio"] for s in r0["steps"] if s["stage"] == 3]
+        # after warm-up the bytes drop by about 1 / (2 ratio) (values + indices), then further
+        assert min(stage2) > 0.8 / (2 * RATIO) and min(stage3) > 1.3 * max(stage2), (variant, stage2, stage3)
+        assert raw / r0["steps"][-1]["wire"] == pytest.approx(r0["steps"][-1]["ratio"], rel=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------
+# Lightning: the strategy with defaults-but-short stages, the callback's logs, a resumed run
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+
+
+class MLPModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(640, 64, generator=g), torch.randint(0, 10, (640,), generator=g)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+
+
+class Digest(Callback):
+    """Writes each rank's AE digest, trained flag and step at train start and end."""
+
+    def __init__(self, out_dir: str, tag: str) -> None:
+        self.out_dir, self.tag = out_dir, tag
+
+    def _write(self, trainer, when):
+        codec = trainer.strategy.codec
+        Path(self.out_dir, f"{self.tag}-{when}-rank{trainer.global_rank}.txt").write_text(
+            f"{codec.ae_digest()} {int(codec.ae_trained)} {trainer.strategy.hook_state.step}"
+        )
+
+    def on_train_start(self, trainer, pl_module):
+        self._write(trainer, "start")
+
+    def on_train_end(self, trainer, pl_module):
+        self._write(trainer, "end")
+        if self.tag == "a":  # every rank takes part (the strategy gathers residuals), rank 0 writes
+            trainer.save_checkpoint(str(Path(self.out_dir, "lgc.ckpt")))
+
+
+def test_lightning_run_logs_stages_and_resume_restores_autoencoder(tmp_path):
+    from lightning.pytorch import Trainer
+
+    from lightning_gradcomp import CompressedDDPStrategy
+    from lightning_gradcomp.callbacks import AutoencoderWarmup
+
+    def trainer(max_steps: int, tag: str) -> Trainer:
+        strategy = CompressedDDPStrategy(
+            codec="lgc", codec_options=dict(ratio=RATIO, min_numel=1000, ae_epochs=2, max_recon_error=100.0), start_method="spawn"
+        )
+        return Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=max_steps,
+            callbacks=[AutoencoderWarmup(warmup_steps=3, ae_train_steps=4), Digest(str(tmp_path), tag)],
+            default_root_dir=str(tmp_path),
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            logger=False,
+            enable_checkpointing=False,
+        )
+
+    first = trainer(9, "a")
+    first.fit(MLPModule())
+    metrics = first.callback_metrics
+    assert float(metrics["gradcomp/lgc_stage"]) == 3.0
+    assert math.isfinite(float(metrics["gradcomp/ae_loss"])) and "gradcomp/ae_recon_error" in metrics
+    ckpt = tmp_path / "lgc.ckpt"
+    saved = torch.load(ckpt, weights_only=True)["gradcomp"]
+    assert saved["shared"]["codec"]["ae_trained"] is True
+
+    second = trainer(11, "b")
+    second.fit(MLPModule(), ckpt_path=str(ckpt))
+    end_a = {Path(tmp_path, f"a-end-rank{r}.txt").read_text().split()[0] for r in range(2)}
+    start_b = [Path(tmp_path, f"b-start-rank{r}.txt").read_text().split() for r in range(2)]
+    assert len(end_a) == 1, "ranks ended the first run with different autoencoders"
+    assert {s[0] for s in start_b} == end_a and all(s[1] == "1" for s in start_b)
+    assert all(s[2] == "9" for s in start_b)  # the step counter resumed too
