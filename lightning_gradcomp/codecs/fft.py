@@ -62,6 +62,7 @@ from lightning_gradcomp.codecs.base import Codec, EncodeResult, check_choice, ch
 from lightning_gradcomp.codecs.bits import packed_nbytes
 from lightning_gradcomp.codecs.qsgd import seeded_generator
 from lightning_gradcomp.codecs.rangefloat import ROUNDINGS, RangeFloat, codes_nbytes, pack_codes, unpack_codes
+from lightning_gradcomp.codecs.sampling import select_top
 from lightning_gradcomp.registry import register_codec
 
 __all__ = ["FFTCodec"]
@@ -202,21 +203,8 @@ class FFTCodec(Codec):
             k = K // nb
             local = torch.topk(power, k, dim=1, sorted=False).indices.sort(dim=1).values
             return (local + torch.arange(nb, device=power.device).unsqueeze(1) * C).reshape(-1)
-        flat = power.reshape(-1)
-        N = flat.numel()
-        if N <= 65536:
-            return torch.topk(flat, K, sorted=False).indices.sort().values
-        # DGC-style: a threshold from a random 1% sample, set a few standard errors low so that at
-        # least K entries pass it, then an exact top-K among the candidates (about 1.05 K of them)
-        m = max(4096, N // 100)
-        sample = flat[torch.randint(0, N, (m,), generator=gen, device=flat.device)]
-        p = K / N
-        p_hi = min(1.0, p + 4.0 * math.sqrt(p * (1 - p) / m) + 1.0 / m)
-        t = torch.kthvalue(sample, max(1, m - math.ceil(p_hi * m) + 1)).values
-        cand = (flat >= t).nonzero().view(-1)
-        if cand.numel() < K:  # the sample misjudged the tail (rare): exact top-K over everything
-            return torch.topk(flat, K, sorted=False).indices.sort().values
-        return cand[torch.topk(flat[cand], K, sorted=False).indices].sort().values
+        # exact top-K over the layer, through a threshold estimated from a 1% sample (DGC-style)
+        return select_top(power.reshape(-1), K, 0.01, gen)
 
     def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
         n = x.numel()

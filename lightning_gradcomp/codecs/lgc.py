@@ -57,6 +57,7 @@ from lightning_gradcomp.codecs.base import (
     check_fraction,
     check_positive_int,
 )
+from lightning_gradcomp.codecs.sampling import select_top
 from lightning_gradcomp.registry import register_codec
 
 __all__ = ["LGCCodec", "GradientAutoencoder", "MIN_AE_LEN"]
@@ -268,21 +269,9 @@ class LGCCodec(Codec):
     # ----------------------------------------------------------------------------------------------
     # the shared support: chosen by the leader, broadcast in the hook body
     def _select(self, x: Tensor, k: int, step: int) -> Tensor:
-        a = x.abs()
-        n = a.numel()
-        if self.selection == "sampled" and n > 16 * k:
-            # DGC-style: a threshold from a random sample that should keep ~2k candidates, then the
-            # exact top-k among them; the rare miss (fewer than k candidates) falls back to exact
-            g = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + step)
-            m = min(n, max(4096, math.ceil(20 * n / k)))
-            sample = a[torch.randint(0, n, (m,), generator=g).to(a.device)]
-            keep = max(1, min(m, round(2 * k * m / n)))
-            thr = torch.kthvalue(sample, m - keep + 1).values
-            cand = (a >= thr).nonzero().squeeze(1)
-            if cand.numel() >= k:
-                top = torch.topk(a[cand], k, sorted=False).indices
-                return cand[top].sort().values
-        return torch.topk(a, k, sorted=False).indices.sort().values
+        # exact top-k; "sampled" finds it through a threshold estimated from a 1% sample (DGC-style)
+        g = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + step)
+        return select_top(x.abs(), k, 0.01 if self.selection == "sampled" else 0.0, g)
 
     def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], step: int) -> int:
         t0 = time.perf_counter()

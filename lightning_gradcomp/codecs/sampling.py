@@ -35,7 +35,8 @@ def select_top(s: Tensor, k: int, sample_fraction: float = 0.01, generator: torc
         # aim at k + 25% + 4 sigma of the sampling noise of the count above the threshold
         target = min(n, math.ceil(1.25 * k + 4.0 * math.sqrt(k)))
         j = max(1, min(m, round(m * target / n)))  # rank from the top inside the sample
-        sample = s[torch.randint(n, (m,), device=s.device, generator=generator)]
+        gen_device = generator.device if generator is not None else s.device
+        sample = s[torch.randint(n, (m,), device=gen_device, generator=generator).to(s.device)]
         t = sample.kthvalue(m - j + 1).values
         cand = torch.nonzero(s >= t).squeeze(1)
         c = cand.numel()
