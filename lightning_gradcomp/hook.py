@@ -297,7 +297,9 @@ class CodecHookState:
             received = self._received(fut, step)
             if codec.collective == "allreduce":
                 t = received
-                if float(t[-1]) > 0:
+                # every rank received the same sum, so checking it decides identically everywhere:
+                # this also catches an overflow of a narrow wire format (fp16 beyond 65504)
+                if float(t[-1]) > 0 or not bool(torch.isfinite(t).all()):
                     return self._discard(buf, keys, step)
                 off = 0
                 for (k, g, x, p), enc in zip(inputs, encoded):
@@ -319,6 +321,8 @@ class CodecHookState:
                     off += m
                 if dense_grads:
                     write_dense(torch.stack([r[-2] for r in rows]).sum(0))
+                if not bool(torch.isfinite(buf).all()):  # decoded from identical rows: same verdict everywhere
+                    return self._discard(buf, keys, step)
             memory.commit(keys)
             stats.add(decode_s=time.perf_counter() - t2)
             return buf

@@ -77,10 +77,12 @@ class Net(pl.LightningModule):
         samples: int = 64,
         batch_size: int = 8,
         dtype: str = "float32",
+        step_data: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(1234)
+        self.register_buffer("teacher", torch.randn(16, 4), persistent=False)
         self.body = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
         if unused:
             self.unused = nn.Linear(64, 32)
@@ -89,6 +91,12 @@ class Net(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
+        if self.hparams.step_data:
+            # the batch is a function of (optimizer step, rank, micro-batch) only, so a resumed run
+            # sees exactly the data an uninterrupted one sees, whatever the loader's resume rules
+            g = torch.Generator().manual_seed(1_000 * self.global_step + 10 * self.global_rank + batch_idx % 8)
+            x = torch.randn(x.shape, generator=g)
+            y = (x @ self.teacher).argmax(1)
         x = x.to(self.body[0].weight.dtype)
         loss = F.cross_entropy(self.body(x).float(), y)
         hp = self.hparams
@@ -136,12 +144,15 @@ class Recorder(Callback):
             ]
         )
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         st = trainer.strategy.hook_state
         codec = trainer.strategy.codec
         self.rows.append(
             {
                 "global_step": trainer.global_step,
+                "batch": (trainer.current_epoch, batch_idx, float(batch[0].double().sum())),
                 "hook_step": st.step,
                 "weights": flat_params(pl_module),
                 "residuals": st.memory.state_dict(),
@@ -195,7 +206,7 @@ def _fit(rank: int, world: int, run: dict[str, Any]) -> dict[str, Any]:
 
         callbacks.append(
             ModelCheckpoint(
-                dirpath=run["ckpt_dir"], every_n_epochs=1, save_top_k=-1, filename="{epoch}-{step}"
+                dirpath=run["ckpt_dir"], every_n_train_steps=run.get("ckpt_every", 4), save_top_k=-1, filename="{step}"
             )
         )
     trainer = pl.Trainer(
