@@ -82,12 +82,16 @@ class Net(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(1234)
-        self.register_buffer("teacher", torch.randn(16, 4), persistent=False)
+        # a plain attribute, not a buffer: DDP would broadcast a buffer before every forward
+        self.teacher = torch.randn(16, 4)
         self.body = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
         if unused:
             self.unused = nn.Linear(64, 32)
         if dtype != "float32":
             self.to(getattr(torch, dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
