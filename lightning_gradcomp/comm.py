@@ -79,7 +79,12 @@ def allgather_async(t: Tensor, group: dist.ProcessGroup | None) -> torch.futures
         return completed_future(t.view(1, -1))
     out = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
     work = all_gather_flat(out, t, group=group, async_op=True)
-    return work.get_future().then(lambda fut: out.view(n, -1))
+
+    def done(fut: torch.futures.Future) -> Tensor:
+        fut.value()  # re-raises a failed collective (a dead or stalled rank): never decode garbage
+        return out.view(n, -1)
+
+    return work.get_future().then(done)
 
 
 def all_gather_flat(out: Tensor, t: Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False):

@@ -141,6 +141,9 @@ class CodecHookState:
             "nonfinite_steps": self.nonfinite_steps,
             "codec": self.codec.state_dict(),
             "fallback": self.fallback.state_dict(),
+            # a checkpoint is written between steps, before the codec's step-end work of the last
+            # step ran (it runs at the start of the next step): a resumed run must still run it
+            "step_end_pending": self._step_end_pending,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -148,7 +151,7 @@ class CodecHookState:
         self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
         self.codec.load_state_dict(state["codec"])
         self.fallback.load_state_dict(state.get("fallback", {}))
-        self._step_end_pending = False
+        self._step_end_pending = bool(state.get("step_end_pending", False))
 
     def consume_skip(self) -> bool:
         """True once after a step whose gradient was non-finite on some rank."""
@@ -222,7 +225,7 @@ class CodecHookState:
         observe = [(k, g) for k, g, p in layers if codec.should_compress(k, p)]
 
         def finish(fut: torch.futures.Future) -> Tensor:
-            t = fut.value()
+            t = self._received(fut, step)
             self.stats.add(comm_s=time.perf_counter() - launched)
             if float(t[n]) > 0:
                 buf.zero_()
@@ -309,9 +312,12 @@ class CodecHookState:
         def finish(fut: torch.futures.Future) -> Tensor:
             t2 = time.perf_counter()
             stats.add(comm_s=t2 - t1)
+            received = self._received(fut, step)
             if codec.collective == "allreduce":
-                t = fut.value()
-                if float(t[-1]) > 0:
+                t = received
+                # every rank received the same sum, so checking it decides identically everywhere:
+                # this also catches an overflow of a narrow wire format (fp16 beyond 65504)
+                if float(t[-1]) > 0 or not bool(torch.isfinite(t).all()):
                     return self._discard(buf, keys, step)
                 off = 0
                 for (k, g, x, p), enc in zip(inputs, encoded):
@@ -322,7 +328,7 @@ class CodecHookState:
                     g.copy_(codec.decode(summed, enc.ctx, x.numel(), world).div_(world).view_as(g))
                 write_dense(t[off : off + dense.numel()].float())
             else:
-                rows = [unpack(r, layout) for r in fut.value()]
+                rows = [unpack(r, layout) for r in received]
                 if sum(float(r[-1][0]) for r in rows) > 0:
                     return self._discard(buf, keys, step)
                 off = 0
@@ -333,11 +339,24 @@ class CodecHookState:
                     off += m
                 if dense_grads:
                     write_dense(torch.stack([r[-2] for r in rows]).sum(0))
+                if not bool(torch.isfinite(buf).all()):  # decoded from identical rows: same verdict everywhere
+                    return self._discard(buf, keys, step)
             memory.commit(keys)
             stats.add(decode_s=time.perf_counter() - t2)
             return buf
 
         return fut.then(finish)
+
+    def _received(self, fut: torch.futures.Future, step: int) -> Any:
+        """The collective's result, or a clear error when it failed (a rank died or stalled)."""
+        try:
+            return fut.value()
+        except Exception as err:
+            raise RuntimeError(
+                f"gradient communication failed at optimizer step {step} (codec {self.codec.name!r}): {err}. "
+                "Another rank probably died or stalled; the wait is bounded by the process group's timeout "
+                "(CompressedDDPStrategy(timeout=...), init_process_group(timeout=...))."
+            ) from err
 
     def _discard(self, buf: Tensor, keys: list[str], step: int) -> Tensor:
         buf.zero_()

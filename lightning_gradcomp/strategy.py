@@ -192,6 +192,11 @@ class CompressedDDPStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        # Lightning passes None through to torch.load, whose default an environment variable can
+        # flip; our checkpoints hold only tensors and plain values, so load them safely unless the
+        # caller asks otherwise (trainer.fit(..., weights_only=False) for a trusted file)
+        if weights_only is None:
+            weights_only = True
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._pending_checkpoint = checkpoint.get(CHECKPOINT_KEY)
         return checkpoint

@@ -167,6 +167,11 @@ class Codec:
             total += self.decode(p, ctx, numel, count=1)
         return total
 
+    def error_bound(self, x: Tensor) -> float | None:
+        """An upper bound on ``||x - decode_local(encode(x))||_2`` that the codec guarantees for
+        this input, or ``None`` when it states none (the default). Property tests check it."""
+        return None
+
     # ----------------------------------------------------------------------------------------------
     # checkpointing: state identical on every rank (bases, learned weights, schedules)
     def state_dict(self) -> dict[str, Any]:

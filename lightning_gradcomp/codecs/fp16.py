@@ -31,6 +31,18 @@ class FP16Codec(Codec):
         half = (x / self.world_size).to(torch.float16)
         return EncodeResult([half], local=half.to(torch.float32) * self.world_size)
 
+    def error_bound(self, x: Tensor) -> float | None:
+        """Round to nearest in fp16: each entry is off by at most 2^-11 of itself (11-bit
+        significand), or by half the subnormal spacing (2^-25, scaled back by the world size) for
+        values below fp16's normal range. Beyond fp16's range (65504) the value overflows: no bound
+        (the hook then finds a non-finite sum and handles the step as non-finite)."""
+        w = float(self.world_size)
+        if x.numel() and float(x.abs().max()) / w > 65504.0:
+            return float("inf")
+        # 2^-22: the fp32 division and multiplication around the cast
+        per = torch.maximum(x.double().abs() * (2.0**-11 + 2.0**-22), torch.full_like(x, 2.0**-25 * w, dtype=torch.float64))
+        return float(per.norm())
+
     def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
         # the payload is the sum of pre-divided values: scale back to a sum of gradients
         return payload[0].to(torch.float32) * self.world_size

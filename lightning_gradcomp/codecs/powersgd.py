@@ -46,6 +46,10 @@ class PowerSGDCodec(Codec):
     """
 
     collective = "custom"
+    # torch keys P, Q and the error by bucket index, and a new DDP wrapper (a resumed run) hands
+    # over its first buckets in declaration order before rebuilding them in gradient-ready order:
+    # the strategy then sends plain all-reduce until the rebuilt layout, which the state fits, is back
+    bucket_keyed_state = True
 
     def __init__(
         self,

@@ -57,6 +57,13 @@ class TopKCodec(Codec):
         local[idx] = values
         return EncodeResult([values, idx.to(torch.int32)], local=local)
 
+    def error_bound(self, x: Tensor) -> float | None:
+        """Exact: the error is the norm of everything but the k largest magnitudes,
+        ``sqrt(||x||^2 - sum of the k largest x_i^2)`` (at most ``sqrt(1 - k/n) ||x||``)."""
+        sq = x.double().pow(2)
+        kept = torch.topk(sq, self.k_for(x.numel())).values.sum()
+        return float((sq.sum() - kept).clamp_min(0).sqrt()) * (1 + 1e-9)
+
     def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
         out = torch.zeros(numel, dtype=torch.float32, device=payload[0].device)
         out.index_add_(0, payload[1].long(), payload[0].float())
