@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", default="2", help="processes (default 2)")
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32, help="per process (default 32)")
-    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3)")
+    p.add_argument("--lr", type=float, default=5e-3, help="Adam learning rate (default 5e-3)")
     p.add_argument("--max-epochs", type=int, default=10)
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--seed", type=int, default=0)
