@@ -22,7 +22,8 @@ import torch
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
+# the real data sets beside the repository; LIGHTNING_GRADCOMP_DATA points elsewhere
+SHARED = Path(os.environ.get("LIGHTNING_GRADCOMP_DATA", REPO.parent / "shared" / "data"))
 GRADCOMP_TAGS = ("compression_ratio", "bytes_sent", "rel_error", "encode_ms", "decode_ms", "comm_ms", "phase")
 
 
@@ -258,7 +259,7 @@ def test_codec_options_and_callbacks():
 @pytest.mark.shared_data
 @pytest.mark.skipif(not (SHARED / "CamVid" / "train").is_dir(), reason="../shared/data/CamVid is absent")
 def test_pspnet_real_camvid(tmp_path):
-    proc = start("pspnet_camvid.py", "--crop-size", "128", "--batch-size", "2", "--max-steps", "3",
+    proc = start("pspnet_camvid.py", "--data-dir", str(SHARED / "CamVid"), "--crop-size", "128", "--batch-size", "2", "--max-steps", "3",
                  "--limit-val-batches", "2", "--metrics-json", str(tmp_path / "m.json"), "--log-dir", str(tmp_path), cwd=tmp_path)
     check_ok(finish(proc))
     m = json.loads((tmp_path / "m.json").read_text())
@@ -269,7 +270,7 @@ def test_pspnet_real_camvid(tmp_path):
 @pytest.mark.shared_data
 @pytest.mark.skipif(not (SHARED / "cifar10-jpeg.tar.gz").is_file(), reason="../shared/data/cifar10-jpeg.tar.gz is absent")
 def test_resnet_real_cifar10(tmp_path):
-    proc = start("resnet_cifar10.py", "--cache-dir", str(tmp_path / "cache"), "--model", "resnet10", "--batch-size", "8",
+    proc = start("resnet_cifar10.py", "--data-dir", str(SHARED / "cifar10-jpeg.tar.gz"), "--cache-dir", str(tmp_path / "cache"), "--model", "resnet10", "--batch-size", "8",
                  "--max-steps", "3", "--train-subset", "64", "--val-subset", "64", "--metrics-json", str(tmp_path / "m.json"),
                  "--log-dir", str(tmp_path), cwd=tmp_path)
     check_ok(finish(proc))
