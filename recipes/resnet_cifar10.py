@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("outputs")
     g.add_argument("--log-dir", default="lightning_logs", help="TensorBoard root (default ./lightning_logs)")
     g.add_argument("--log-every-n-steps", type=int, default=10)
-    g.add_argument("--ckpt-every-n-steps", type=int, default=None, help="also checkpoint every N steps (default: every epoch)")
+    g.add_argument("--ckpt-every-n-steps", type=int, default=None, help="checkpoint every N steps instead of every epoch end")
     g.add_argument("--ckpt-path", default=None, help="checkpoint to resume from (e.g. .../checkpoints/last.ckpt)")
     g.add_argument("--metrics-json", default=None, metavar="PATH", help="write final metrics, bytes sent and compression ratio")
     args = p.parse_args(argv)

@@ -278,3 +278,19 @@ def test_resnet_real_cifar10(tmp_path):
     m = json.loads((tmp_path / "m.json").read_text())
     assert m["steps"] == 3 and 0 <= m["metrics"]["val/acc"] <= 1 and m["compression_ratio_last"] > 10
     assert (tmp_path / "cache" / "cifar10-jpeg" / "test" / "airplane").is_dir()
+
+
+def test_pspnet_local_encoder_weights(tmp_path):
+    """``--encoder-weights`` loads a torchvision state dict (its ``fc`` and deeper stages ignored)."""
+    import torchvision
+
+    psp = load_recipe("pspnet_camvid")
+    torch.manual_seed(1)
+    reference = torchvision.models.resnet18()
+    torch.save(reference.state_dict(), tmp_path / "r18.pth")
+    model = psp.build_model("resnet18", str(tmp_path / "r18.pth"))
+    torch.testing.assert_close(model.encoder.conv1.weight, reference.conv1.weight, rtol=0, atol=0)
+    torch.testing.assert_close(model.encoder.layer2[1].conv2.weight, reference.layer2[1].conv2.weight, rtol=0, atol=0)
+    torch.save({"unrelated.weight": torch.zeros(3)}, tmp_path / "bad.pth")
+    with pytest.raises(SystemExit, match="no key matches"):
+        psp.build_model("resnet18", str(tmp_path / "bad.pth"))
