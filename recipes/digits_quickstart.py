@@ -2,10 +2,11 @@
 
 The 8x8 handwritten digits that ship inside scikit-learn (1,797 images, nothing to download),
 a small MLP (64-256-256-10, 85,002 parameters), and ``CompressedDDPStrategy`` running two gloo
-processes on CPU. The default codec, ``topk``, sends the largest 1% of each large layer's
-gradient (the rest waits in an error-feedback residual); the two 2,560-element-or-smaller layers
-and the biases stay below ``min_numel`` and travel uncompressed. It finishes in about a minute
-on two cores and prints test accuracy and the compression ratio.
+processes on CPU. The default codec, ``topk``, sends the largest 1% of each weight matrix's
+gradient (the rest waits in an error-feedback residual); the biases stay below ``min_numel``
+(1,024 entries) and travel uncompressed. The first two steps are dense while DDP rebuilds its
+buckets. It takes 20 s to a minute on two cores (mostly process start-up: 10 epochs, 230 steps)
+and prints test accuracy (about 0.97) and the compression ratio (about 38 per compressed step).
 
 Run it::
 
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         strategy=CompressedDDPStrategy(codec=args.codec, codec_options=args.codec_options, stats_every=args.stats_every),
         max_epochs=args.max_epochs,
         max_steps=args.max_steps,
-        logger=TensorBoardLogger(args.log_dir, name="digits_quickstart"),
+        logger=TensorBoardLogger(args.log_dir, name="digits_quickstart", default_hp_metric=False),
         log_every_n_steps=args.log_every_n_steps,
         callbacks=callbacks,
         enable_checkpointing=False,
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"\ntest accuracy {accuracy:.4f} after {trainer.global_step} steps on {trainer.world_size} processes ({wall:.0f} s)")
         print(
             f"codec {args.codec}: compression ratio {result['compression_ratio']:.1f} overall "
-            f"({result['compression_ratio_last']:.1f} per compressed step); "
+            f"({result['compression_ratio_last']:.1f} at the last step); "
             f"{result['bytes_sent'] / 1e6:.2f} MB sent by rank 0 instead of {result['raw_bytes'] / 1e6:.2f} MB"
         )
         print(f"TensorBoard: tensorboard --logdir {trainer.logger.log_dir}")

@@ -235,7 +235,8 @@ def build_model(encoder: str, weights: str | None, num_classes: int = len(CLASSE
         usable = {k: v for k, v in state.items() if k in own}
         if not usable:
             raise SystemExit(f"--encoder-weights {weights}: no key matches the {encoder} encoder")
-        missing = model.encoder.load_state_dict(usable, strict=False).missing_keys
+        model.encoder.load_state_dict(usable, strict=False)  # smp's override returns nothing: count ourselves
+        missing = sorted(set(own) - set(usable))
         if missing:
             warnings.warn(f"--encoder-weights left {len(missing)} encoder tensors at random init, e.g. {missing[0]}")
     return prune_unused(model)
@@ -360,7 +361,7 @@ def build_trainer(args: argparse.Namespace, name: str):
         limit_train_batches=int_or_float(args.limit_train_batches),
         limit_val_batches=int_or_float(args.limit_val_batches),
         check_val_every_n_epoch=args.val_every_n_epochs,
-        logger=TensorBoardLogger(args.log_dir, name=name),
+        logger=TensorBoardLogger(args.log_dir, name=name, default_hp_metric=False),
         log_every_n_steps=args.log_every_n_steps,
         callbacks=callbacks,
         num_sanity_val_steps=0,  # CPU budgets are short; the final validation runs anyway

@@ -303,7 +303,7 @@ def build_trainer(args: argparse.Namespace, name: str):
         limit_train_batches=int_or_float(args.limit_train_batches),
         limit_val_batches=int_or_float(args.limit_val_batches),
         check_val_every_n_epoch=args.val_every_n_epochs,
-        logger=TensorBoardLogger(args.log_dir, name=name),
+        logger=TensorBoardLogger(args.log_dir, name=name, default_hp_metric=False),
         log_every_n_steps=args.log_every_n_steps,
         callbacks=callbacks,
         num_sanity_val_steps=0,  # CPU budgets are short; the final validation runs anyway
