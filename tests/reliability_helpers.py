@@ -35,6 +35,8 @@ SHORT_WARMUP: dict[str, Any] = {
     "stage2_steps": 3,
     "ae_steps": 3,
     "ae_warmup_steps": 3,
+    "ae_train_steps": 3,
+    "min_numel": 256,  # the test model's layers have 1024 and 4096 weights: compress both
 }
 
 
@@ -44,9 +46,12 @@ def short_options(name: str, extra: dict[str, Any] | None = None) -> dict[str, A
     from lightning_gradcomp.registry import codec_class
 
     cls = codec_class(name)
-    accepted = set()
-    for c in (cls, Codec):
-        accepted |= set(inspect.signature(c.__init__).parameters)
+    own = set(inspect.signature(cls.__init__).parameters)
+    accepted = set(own)
+    if "kwargs" in own:
+        accepted |= set(inspect.signature(Codec.__init__).parameters)
+    if "warmup_steps" in own:  # the codec's own warm-up schedule replaces the common start_step
+        accepted.discard("start_step")
     wanted = dict(SHORT_WARMUP)
     wanted.update(extra or {})
     return {k: v for k, v in wanted.items() if k in accepted}

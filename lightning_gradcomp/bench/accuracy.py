@@ -44,7 +44,14 @@ COLUMNS = [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--codecs", default=None, help="comma list (default: the link benchmark's default list)")
+    p.add_argument(
+        "--codecs",
+        default=None,
+        help="comma list (default: the link benchmark's default list); NAME@LABEL for a second configuration",
+    )
+    p.add_argument(
+        "--codec-options", default="{}", help='JSON {"codec": {option: value}} passed to the recipe per codec'
+    )
     p.add_argument("--tasks", default="cifar10,camvid", help=f"comma list of {', '.join(TASKS)}")
     p.add_argument("--max-steps", type=int, default=300, help="optimizer steps per run (the fixed budget)")
     p.add_argument("--devices", type=int, default=2)
@@ -99,7 +106,7 @@ def run_recipe(task: str, codec: str, args: argparse.Namespace, out: Path) -> di
         args.python,
         str(script),
         "--codec",
-        codec,
+        codec.split("@", 1)[0],
         "--devices",
         str(args.devices),
         "--accelerator",
@@ -111,6 +118,10 @@ def run_recipe(task: str, codec: str, args: argparse.Namespace, out: Path) -> di
         "--data-dir",
         data_dir,
     ]
+    all_options = json.loads(args.codec_options)
+    options = all_options.get(codec, all_options.get(codec.split("@", 1)[0]))
+    if options:
+        cmd += ["--codec-options", json.dumps(options)]
     cmd += shlex.split(args.recipe_args)
     row: dict[str, Any] = {"task": task, "codec": codec, "command": shlex.join(cmd)}
     if not script.exists():

@@ -66,7 +66,10 @@ def default_codecs() -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--codecs", default=None, help="comma list (default: none,fp16,topk,powersgd + installed seed codecs)"
+        "--codecs",
+        default=None,
+        help="comma list (default: none,fp16,topk,powersgd + installed seed codecs); NAME@LABEL runs a second "
+        "configuration of NAME, with options given under NAME@LABEL in --codec-options",
     )
     p.add_argument(
         "--codec-options", default="{}", help='JSON {"codec": {option: value}}, e.g. {"powersgd": {"rank": 4}}'
@@ -278,7 +281,7 @@ def main(args: argparse.Namespace) -> int:
     codecs = [c for c in (args.codecs.split(",") if args.codecs else default_codecs()) if c]
     from lightning_gradcomp.registry import available_codecs
 
-    unknown = [c for c in codecs if c not in available_codecs() and c != FLOOR]
+    unknown = [c for c in codecs if c.split("@", 1)[0] not in available_codecs() and c != FLOOR]
     if unknown:
         raise SystemExit(f"unknown codec(s) {unknown}; available: {', '.join(available_codecs())}")
     try:

@@ -80,9 +80,16 @@ class NoCommCodec(Codec):
 
 
 def make_bench_codec(name: str, options: dict[str, Any]) -> Codec:
+    """``name`` is a codec name, or ``NAME@LABEL`` for a second configuration of the same codec."""
     from lightning_gradcomp.registry import make_codec
 
-    return NoCommCodec(**options) if name == FLOOR else make_codec(name, **options)
+    base = name.split("@", 1)[0]
+    return NoCommCodec(**options) if base == FLOOR else make_codec(base, **options)
+
+
+def options_for(entry: str, all_options: dict[str, Any]) -> dict[str, Any]:
+    """Options of ``NAME@LABEL`` are looked up under the full entry, then under ``NAME``."""
+    return dict(all_options.get(entry, all_options.get(entry.split("@", 1)[0], {})))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -308,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     link = _Link(args.iface, args.rate, args.warmup_rate)
     results: list[dict[str, Any]] = []
     for name in [c for c in args.codecs.split(",") if c]:
-        results.append(run_codec(name, dict(all_options.get(name, {})), args, link))
+        results.append(run_codec(name, options_for(name, all_options), args, link))
         r = results[-1]
         print(
             f"[rank {rank}] {name}: "
