@@ -12,8 +12,8 @@ batch to the end of the optimizer step, with the hook's statistics of that step.
 
 Phases of each codec's run:
 
-1. warm-up: at least ``--warmup`` steps, and until the codec has compressed one step (the hook's
-   ``phase``), at most ``--max-warmup`` steps;
+1. warm-up: at least ``--warmup`` steps, and until the codec compresses (the hook's ``phase``)
+   and the per-bucket fallback has taken its decision, at most ``--max-warmup`` steps;
 2. measurement: ``--steps`` steps, or fewer (but at least ``--min-steps``) once the measured steps
    have taken ``--budget-s`` seconds; the stop is agreed by all ranks;
 3. one probe step with the relative error sampled (computing it costs time, so it is not timed).
@@ -22,6 +22,10 @@ With ``--iface``/``--rate``/``--warmup-rate`` (namespaces only) warm-up and prob
 ``--warmup-rate`` and only the measured steps at ``--rate``: our choice, since warm-up steps are
 uncompressed by construction (DDP rebuilds its buckets) and at 10 Mbit/s each costs ~35 s of
 plain all-reduce that is not measured anyway. All ranks switch together behind a barrier.
+With the fallback on (the strategy's default) warm-up runs at ``--rate`` too: the fallback decides
+from the timings of the last plain and the first compressed steps, and a decision taken on the
+fast warm-up link would be applied to the slow one. Turn it off for the slowest links with
+``LIGHTNING_GRADCOMP_FALLBACK=0`` (compression always pays there) to keep warm-up fast.
 
 ``floor`` is a bench-only codec (not in the public registry) that communicates nothing: the
 bucket's local gradient is returned at once. Its step time is the no-communication floor of the
@@ -117,7 +121,8 @@ class StepRecorder(CompressionMonitor):
     def __init__(self, codec: Codec, args: argparse.Namespace, link: _Link) -> None:
         super().__init__(prog_bar=False)
         self.codec, self.args, self.link = codec, args, link
-        self.will_compress = codec.is_compressing(_NEVER)
+        # a codec with a learned warm-up says False until it has learned: ask for its name instead
+        self.will_compress = codec.name != "none" and not isinstance(codec, NoCommCodec)
         self.phase = "warmup"
         self.steps: list[dict[str, Any]] = []
         self.warmup_steps = 0
@@ -128,16 +133,14 @@ class StepRecorder(CompressionMonitor):
         self._t0 = 0.0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self.link.set(self.link.warmup_rate)
+        # The fallback compares a bucket's last plain steps with its first compressed ones: both
+        # must run at the rate being measured, so with the fallback on there is no fast warm-up.
+        fallback_on = trainer.strategy.hook_state.fallback.enabled
+        self.link.set(self.link.rate if fallback_on else self.link.warmup_rate)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         state = trainer.strategy.hook_state
         state.stats_every = 1 if self.phase == "probe" else _NEVER
-        if self.phase == "warmup" and state.compressing(state.step + 1) and state.fallback.enabled:
-            # The fallback compares this bucket's last plain step with its first compressed steps:
-            # both must run at the rate being measured, or a decision taken on the fast warm-up
-            # link would be applied to the slow one.
-            self.link.set(self.link.rate)
         self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -124,7 +124,11 @@ class PowerSGDCodec(Codec):
         if float(flag_t) > 0:
             return completed_future(state._discard(buf, [], step))
         sample = step % state.stats_every == 0
-        ref_sq = float(buf.double().pow(2).sum()) if sample else 0.0
+        ref_sq = 0.0
+        if sample:  # torch's hook sends buf + its old error: that is the input to compare against
+            old = self._torch_state.error_dict.get(bucket.index()) if self.use_error_feedback else None
+            ref = buf.double() if old is None or old.shape != buf.shape else buf.double() + old.double()
+            ref_sq = float(ref.pow(2).sum())
         fut = torch_powersgd.powerSGD_hook(self._torch_state, bucket)
         if dist.get_backend(group) == "gloo":
             fut.wait()  # see the module docstring: never two waiting callbacks at once on gloo
