@@ -11,6 +11,11 @@ bucket on its last uncompressed step and on its first ``probe_steps`` compressed
 launch and the previous bucket's completion: collectives of one process group run in order, so
 this removes the time a bucket waited behind earlier ones.
 
+Per-bucket costs miss one thing: on a CPU, encoding takes the core away from backward, while a
+plain all-reduce runs beside it. So the policy also times whole steps (from one step's first
+bucket to the next step's first bucket) and, when the median compressed probe step is slower
+than the last plain step by more than the same margins, sends every bucket plainly.
+
 After the probe steps every rank contributes its costs to one all-reduce (so all ranks see the
 same averages and take the same decision), and a bucket falls back to plain all-reduce for the
 rest of the run when its compressed cost exceeds its dense cost by more than ``margin`` (relative)
@@ -69,8 +74,12 @@ class FallbackPolicy:
         self.fallback: set[str] = set()
         self.decided = False
         self.decisions: dict[str, tuple[float, float]] = {}
+        self.step_decision: tuple[float, float] | None = None
         self._lock = threading.Lock()
         self._prev_done = 0.0
+        self.step_times: dict[str, list[float]] = {"dense": [], "compressed": []}
+        self._step_start: float | None = None
+        self._step_kind: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -88,12 +97,19 @@ class FallbackPolicy:
         return self.enabled and not self.decided
 
     def start_step(self) -> None:
+        now = time.perf_counter()
         with self._lock:
             self._prev_done = 0.0
+            if self.wants_timing() and self._step_start is not None and self._step_kind is not None:
+                self.step_times[self._step_kind].append(now - self._step_start)
+            self._step_start, self._step_kind = now, None
 
     def track(self, fut: torch.futures.Future, bucket_key: str, compressed: bool, body_start: float) -> torch.futures.Future:
         """Chain a timing callback onto a bucket's future; the future's value is unchanged."""
         body_end = time.perf_counter()
+        with self._lock:
+            if compressed or self._step_kind is None:
+                self._step_kind = "compressed" if compressed else "dense"
 
         def record(f: torch.futures.Future) -> torch.Tensor:
             done = time.perf_counter()
@@ -119,7 +135,10 @@ class FallbackPolicy:
         # the first compressed step pays one-off allocations: use the median of the rest
         comp = [statistics.median(self.comp_costs[k][1:] or self.comp_costs[k]) for k in keys]
         dense = [self.dense_cost[k] for k in keys]
-        costs = torch.tensor(comp + dense + [float(len(keys))], dtype=torch.float64, device=device)
+        steps_c, steps_d = self.step_times["compressed"], self.step_times["dense"]
+        # the last plain step before compression started, and the compressed steps after the first
+        step_pair = [statistics.median(steps_c[1:] or steps_c or [0.0]), steps_d[-1] if steps_d else 0.0]
+        costs = torch.tensor(comp + dense + step_pair + [float(len(keys))], dtype=torch.float64, device=device)
         if dist.is_initialized() and dist.get_world_size(process_group) > 1:
             dist.all_reduce(costs, group=process_group)
             world = dist.get_world_size(process_group)
@@ -127,17 +146,24 @@ class FallbackPolicy:
                 raise RuntimeError("ranks timed different bucket layouts; cannot agree on a fallback decision")
             costs = costs / world
         n = len(keys)
+        step_c, step_d = float(costs[2 * n]), float(costs[2 * n + 1])
+        self.step_decision = (step_c, step_d)
+        whole_step_loses = step_d > 0 and step_c > 0 and self._loses(step_c, step_d)
         for i, k in enumerate(keys):
             c, d = float(costs[i]), float(costs[n + i])
             self.decisions[k] = (c, d)
-            if c > (1 + self.margin) * d and (c - d) * 1e3 > self.min_gain_ms:
+            if whole_step_loses or self._loses(c, d):
                 self.fallback.add(k)
         self.decided = True
+        log.info("gradcomp fallback: compressed step %.1f ms vs plain step %.1f ms", 1e3 * step_c, 1e3 * step_d)
         for k in keys:
             c, d = self.decisions[k]
             verdict = "plain all-reduce" if k in self.fallback else "compressed"
             log.info("gradcomp fallback: bucket %s compressed %.1f ms vs plain %.1f ms -> %s", k, 1e3 * c, 1e3 * d, verdict)
         return sorted(self.fallback)
+
+    def _loses(self, compressed: float, plain: float) -> bool:
+        return compressed > (1 + self.margin) * plain and (compressed - plain) * 1e3 > self.min_gain_ms
 
     def state_dict(self) -> dict[str, Any]:
         return {"decided": self.decided, "fallback": sorted(self.fallback)}
