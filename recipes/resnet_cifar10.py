@@ -34,14 +34,12 @@ and, under ``gradcomp/``, what the codec did each step.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import tarfile
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +47,18 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from lightning_gradcomp.cli import (
+    add_compression_args,
+    add_trainer_args,
+    build_trainer,
+    check_codec_args,
+    print_report,
+    report,
+)
+
 REPO = Path(__file__).resolve().parents[1]
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10 training-set statistics
-# codec -> the callback it needs, attached by default (imported lazily: see codec_callbacks)
-CODEC_CALLBACKS = {"gradiveq": "PCAWarmup", "fft": "ThetaDecay", "lgc": "AutoencoderWarmup"}
 DATA_HELP = """\
 CIFAR-10 not found (looked in: {tried}).
 Expected one of:
@@ -68,74 +73,21 @@ unpack it into DIR) and pass --data-dir DIR."""
 # options
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("compression")
-    g.add_argument("--codec", default="topk", help="registered codec name (default: topk)")
-    g.add_argument("--codec-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="codec option, repeatable; the value is read as JSON when it parses (ratio=0.01)")
-    g.add_argument("--codec-options", default=None, metavar="JSON", help='codec options as a JSON object')
-    g.add_argument("--stats-every", type=int, default=10, help="sample gradcomp/rel_error every N steps (default 10)")
-    g.add_argument("--no-codec-callbacks", action="store_true", help="do not attach the callbacks the codec needs")
-    g = p.add_argument_group("hardware")
-    g.add_argument("--accelerator", default="cpu", help="cpu | gpu | auto (default cpu)")
-    g.add_argument("--devices", default="2", help="processes per node (default 2)")
-    g.add_argument("--num-nodes", type=int, default=1)
-    g.add_argument("--num-workers", type=int, default=None, help="data loader workers (default 0 on CPU, 4 otherwise)")
-    g.add_argument("--precision", default=None, help="Lightning precision, e.g. 16-mixed on GPU")
+    add_compression_args(p)
+    add_trainer_args(p)
     g = p.add_argument_group("data and model")
     g.add_argument("--data-dir", default=None, help="ImageFolder dir, its .tar.gz, or torchvision files (see above)")
     g.add_argument("--cache-dir", default=None, help="where a tarball is unpacked (default ~/.cache/lightning_gradcomp)")
     g.add_argument("--model", default="resnet18", choices=["resnet18", "resnet10"])
     g.add_argument("--train-subset", type=int, default=None, metavar="N", help="train on N random images (default all)")
     g.add_argument("--val-subset", type=int, default=None, metavar="N", help="evaluate on N random test images")
-    g = p.add_argument_group("training")
+    g = p.add_argument_group("optimizer")
     g.add_argument("--batch-size", type=int, default=64, help="per process (default 64)")
     g.add_argument("--lr", type=float, default=0.1, help="SGD learning rate, cosine decay (default 0.1)")
     g.add_argument("--weight-decay", type=float, default=5e-4)
-    g.add_argument("--max-epochs", type=int, default=None, help="default 1 when --max-steps is not given")
-    g.add_argument("--max-steps", type=int, default=-1)
-    g.add_argument("--limit-train-batches", default=None, help="int (batches) or float (fraction) per epoch")
-    g.add_argument("--limit-val-batches", default=None, help="int (batches) or float (fraction)")
-    g.add_argument("--val-every-n-epochs", type=int, default=1)
-    g.add_argument("--seed", type=int, default=0)
-    g = p.add_argument_group("outputs")
-    g.add_argument("--log-dir", default="lightning_logs", help="TensorBoard root (default ./lightning_logs)")
-    g.add_argument("--log-every-n-steps", type=int, default=10)
-    g.add_argument("--ckpt-every-n-steps", type=int, default=None, help="checkpoint every N steps instead of every epoch end")
-    g.add_argument("--ckpt-path", default=None, help="checkpoint to resume from (e.g. .../checkpoints/last.ckpt)")
-    g.add_argument("--metrics-json", default=None, metavar="PATH", help="write final metrics, bytes sent and compression ratio")
     args = p.parse_args(argv)
-    if args.max_epochs is None:
-        args.max_epochs = 1 if args.max_steps == -1 else -1
-    try:
-        args.codec_options = codec_options(args.codec_options, args.codec_option)
-        from lightning_gradcomp import make_codec
-
-        make_codec(args.codec, **args.codec_options)  # an unknown name or option: a message, not a traceback
-    except (KeyError, ValueError, TypeError) as err:
-        p.error(str(err).strip("'\""))
+    check_codec_args(p, args)
     return args
-
-
-def codec_options(json_text: str | None, pairs: list[str]) -> dict[str, Any]:
-    """``--codec-options '{...}'`` merged with repeated ``--codec-option key=value``."""
-    opts = json.loads(json_text) if json_text else {}
-    if not isinstance(opts, dict):
-        raise ValueError("--codec-options must be a JSON object")
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--codec-option expects KEY=VALUE, got {pair!r}")
-        try:
-            opts[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            opts[key.strip()] = value  # a bare string such as mode=exact
-    return opts
-
-
-def int_or_float(value: str | None) -> int | float | None:
-    if value is None:
-        return None
-    return float(value) if "." in value else int(value)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -264,75 +216,6 @@ def make_module(args: argparse.Namespace):
     return ClassifierModule(args.model, args.lr, args.weight_decay)
 
 
-# ----------------------------------------------------------------------------------------------------
-# compression and trainer
-def codec_callbacks(codec: str) -> list:
-    """The callbacks ``codec`` needs (e.g. GradiVeQ's PCA warm-up), if the package provides them."""
-    name = CODEC_CALLBACKS.get(codec)
-    if name is None:
-        return []
-    try:
-        import lightning_gradcomp.callbacks as cbs
-
-        return [getattr(cbs, name)()]
-    except (ImportError, AttributeError) as err:
-        warnings.warn(f"codec {codec!r} usually runs with the {name} callback, which is unavailable ({err})")
-        return []
-
-
-def build_trainer(args: argparse.Namespace, name: str):
-    import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    from lightning_gradcomp import CompressedDDPStrategy
-
-    strategy = CompressedDDPStrategy(codec=args.codec, codec_options=args.codec_options, stats_every=args.stats_every)
-    callbacks = [ModelCheckpoint(filename="{epoch}-{step}", save_last=True, every_n_train_steps=args.ckpt_every_n_steps)]
-    if not args.no_codec_callbacks:
-        callbacks += codec_callbacks(args.codec)
-    devices = int(args.devices) if args.devices.isdigit() else args.devices
-    return L.Trainer(
-        accelerator=args.accelerator,
-        devices=devices,
-        num_nodes=args.num_nodes,
-        strategy=strategy,
-        precision=args.precision,
-        max_epochs=args.max_epochs,
-        max_steps=args.max_steps,
-        limit_train_batches=int_or_float(args.limit_train_batches),
-        limit_val_batches=int_or_float(args.limit_val_batches),
-        check_val_every_n_epoch=args.val_every_n_epochs,
-        logger=TensorBoardLogger(args.log_dir, name=name, default_hp_metric=False),
-        log_every_n_steps=args.log_every_n_steps,
-        callbacks=callbacks,
-        num_sanity_val_steps=0,  # CPU budgets are short; the final validation runs anyway
-        enable_progress_bar=sys.stdout.isatty(),  # no bar in log files
-    )
-
-
-def report(trainer: Any, args: argparse.Namespace, metrics: dict[str, float], wall_s: float) -> dict[str, Any]:
-    """Final numbers: task metrics and what the codec sent (this rank's bytes, ring estimate)."""
-    state = trainer.strategy.hook_state
-    totals = state.stats.totals if state is not None else None
-    last = state.stats.last if state is not None else None
-    sent = float(totals.wire_bytes) if totals else 0.0
-    raw = float(totals.raw_wire_bytes) if totals else 0.0
-    return {
-        "recipe": Path(__file__).stem,
-        "codec": args.codec,
-        "codec_options": args.codec_options,
-        "world_size": trainer.world_size,
-        "steps": trainer.global_step,
-        "metrics": metrics,
-        "bytes_sent": sent,
-        "raw_bytes": raw,
-        "compression_ratio": raw / sent if sent > 0 else 1.0,
-        "compression_ratio_last": last.compression_ratio if last is not None else 1.0,
-        "wall_s": wall_s,
-    }
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
     kind, root = find_data(args.data_dir, args.cache_dir)
@@ -352,19 +235,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if module.validated_at != trainer.global_step:  # the budget ended between validations
         trainer.validate(module, val_loader, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    result = report(trainer, args, metrics, wall)
+    result = report(trainer, args, "resnet_cifar10", metrics, wall)
     if trainer.is_global_zero:
         print(f"\naccuracy {metrics.get('val/acc', float('nan')):.4f}  val loss {metrics.get('val/loss', float('nan')):.4f}"
               f"  ({len(test)} test images)")
-        opts = f" {json.dumps(args.codec_options)}" if args.codec_options else ""
-        print(
-            f"codec {args.codec}{opts}: compression ratio {result['compression_ratio']:.2f} overall, "
-            f"{result['compression_ratio_last']:.2f} at the last step; {result['bytes_sent'] / 1e6:.2f} MB sent by rank 0 "
-            f"in {result['steps']} steps ({wall:.0f} s)"
-        )
-        print(f"TensorBoard: tensorboard --logdir {trainer.logger.log_dir}")
-        if args.metrics_json:
-            Path(args.metrics_json).write_text(json.dumps(result, indent=2))
+    print_report(trainer, args, result)
     return result
 
 

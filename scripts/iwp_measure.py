@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import tempfile
@@ -28,7 +27,6 @@ from lightning_gradcomp.codecs.iwp import (
     choose_encoding,
     decode_positions,
     encode_positions,
-    encoded_nbytes,
     importance,
     select_top,
 )

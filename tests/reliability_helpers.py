@@ -21,7 +21,6 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_gradcomp
 from lightning_gradcomp import CompressedDDPStrategy
 
 # Options that shorten a codec's warm-up or stages, passed only to codecs whose constructor takes

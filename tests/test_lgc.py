@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 from pathlib import Path
 
 import pytest

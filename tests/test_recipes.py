@@ -236,22 +236,33 @@ def test_prune_unused_keeps_the_function():
 
 
 def test_codec_options_and_callbacks():
-    cifar = load_recipe("resnet_cifar10")
-    opts = cifar.codec_options('{"ratio": 0.1}', ["error_feedback=false", "mode=exact", "min_numel=0"])
+    from lightning_gradcomp.callbacks import PCAWarmup
+    from lightning_gradcomp.cli import codec_callbacks, parse_codec_options
+
+    opts = parse_codec_options('{"ratio": 0.1}', ["error_feedback=false", "mode=exact", "min_numel=0"])
     assert opts == {"ratio": 0.1, "error_feedback": False, "mode": "exact", "min_numel": 0}
     with pytest.raises(ValueError, match="KEY=VALUE"):
-        cifar.codec_options(None, ["ratio"])
-    assert cifar.codec_callbacks("topk") == []
+        parse_codec_options(None, ["ratio"])
+    assert codec_callbacks("topk") == []
+    (cb,) = codec_callbacks("gradiveq")
+    assert isinstance(cb, PCAWarmup)
+    cifar = load_recipe("resnet_cifar10")
     assert len(cifar.build_model("resnet18").conv1.weight.shape) == 4
     assert sum(p.numel() for p in cifar.build_model("resnet18").parameters()) == 11_173_962
-    try:
-        from lightning_gradcomp.callbacks import PCAWarmup
-    except (ImportError, AttributeError):
-        with pytest.warns(UserWarning, match="PCAWarmup"):
-            assert cifar.codec_callbacks("gradiveq") == []
-    else:
-        (cb,) = cifar.codec_callbacks("gradiveq")
-        assert isinstance(cb, PCAWarmup)
+
+
+@pytest.mark.parametrize("recipe", ["digits_quickstart", "resnet_cifar10", "pspnet_camvid"])
+def test_recipe_rejects_bad_codec_before_training(recipe, capsys):
+    mod = load_recipe(recipe)
+    with pytest.raises(SystemExit) as exit_info:
+        mod.parse_args(["--codec", "zip"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "zip" in err and "topk" in err  # names the valid choices
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--codec", "topk", "--codec-option", "ratio=2.0"])
+    args = mod.parse_args(["--codec", "topk", "--codec-option", "ratio=0.05", "--max-steps", "3"])
+    assert args.codec_options == {"ratio": 0.05} and args.max_steps == 3
 
 
 # --------------------------------------------------------------------------------------------------

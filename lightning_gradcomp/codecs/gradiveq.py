@@ -54,7 +54,6 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
-import zlib
 from typing import Any
 
 import torch
