@@ -49,6 +49,8 @@ def add_compression_args(parser: argparse.ArgumentParser, default_codec: str = "
     g.add_argument("--codec-options", default=None, metavar="JSON", help='codec options as a JSON object, e.g. \'{"ratio": 0.01}\'')
     g.add_argument("--stats-every", type=int, default=10, help="sample gradcomp/rel_error every N steps (default 10)")
     g.add_argument("--no-codec-callbacks", action="store_true", help="do not attach the callbacks the codec needs")
+    g.add_argument("--no-fallback", action="store_true",
+                   help="always compress, even where the first steps find plain all-reduce faster (accuracy studies)")
 
 
 def add_trainer_args(parser: argparse.ArgumentParser, *, checkpoints: bool = True) -> None:
@@ -146,7 +148,12 @@ def build_trainer(args: argparse.Namespace, name: str, **trainer_options: Any):
         accelerator=args.accelerator,
         devices=int(args.devices) if args.devices.isdigit() else args.devices,
         num_nodes=args.num_nodes,
-        strategy=CompressedDDPStrategy(codec=args.codec, codec_options=args.codec_options, stats_every=args.stats_every),
+        strategy=CompressedDDPStrategy(
+            codec=args.codec,
+            codec_options=args.codec_options,
+            stats_every=args.stats_every,
+            fallback=False if getattr(args, "no_fallback", False) else None,
+        ),
         precision=args.precision,
         max_epochs=args.max_epochs,
         max_steps=args.max_steps,
@@ -182,6 +189,7 @@ def report(trainer: Any, args: argparse.Namespace, recipe: str, metrics: dict[st
         "raw_bytes": raw,
         "compression_ratio": raw / sent if sent > 0 else 1.0,
         "compression_ratio_last": last.compression_ratio if last is not None else 1.0,
+        "fallback_buckets": len(state.fallback.fallback) if state is not None else 0,
         "wall_s": wall_s,
     }
 
@@ -196,6 +204,11 @@ def print_report(trainer: Any, args: argparse.Namespace, result: dict[str, Any])
         f"{result['compression_ratio_last']:.2f} at the last step; {result['bytes_sent'] / 1e6:.2f} MB sent by rank 0 "
         f"instead of {result['raw_bytes'] / 1e6:.2f} MB in {result['steps']} steps ({result['wall_s']:.0f} s)"
     )
+    if result.get("fallback_buckets"):
+        print(
+            f"fallback: {result['fallback_buckets']} gradient bucket(s) went back to plain all-reduce, which the first "
+            "steps timed faster on this link (--no-fallback always compresses)"
+        )
     print(f"TensorBoard: tensorboard --logdir {trainer.logger.log_dir}")
     if args.metrics_json:
         Path(args.metrics_json).write_text(json.dumps(result, indent=2))

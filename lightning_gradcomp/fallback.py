@@ -13,10 +13,16 @@ this removes the time a bucket waited behind earlier ones.
 
 Per-bucket costs miss one thing: on a CPU, encoding takes the core away from backward, while a
 plain all-reduce runs beside it. So the policy also times whole steps (from one step's first
-bucket to the next step's first bucket) and, when the median compressed probe step is slower
-than the last plain step by more than the same margins, sends every bucket plainly.
+bucket to the next step's first bucket, less the codec's step-end work such as a refit):
 
-After the probe steps every rank contributes its costs to one all-reduce (so all ranks see the
+- when the compressed steps are clearly faster than the last plain step before them (by the factor
+  ``clear_win``, as on any slow link), every bucket keeps its codec, decided at once;
+- otherwise the policy sends ``probe_steps`` more steps plainly (their residuals go with them, so
+  nothing is lost) and compares the medians of the two kinds of step taken at the same point of
+  training; every bucket falls back when the compressed step is not faster (ties go to plain
+  all-reduce, which is exact) by more than ``min_gain_ms``.
+
+After each probe phase every rank contributes its costs to one all-reduce (so all ranks see the
 same averages and take the same decision), and a bucket falls back to plain all-reduce for the
 rest of the run when its compressed cost exceeds its dense cost by more than ``margin`` (relative)
 and ``min_gain_ms`` (absolute). A bucket that falls back sends its residual with its next
@@ -58,13 +64,25 @@ class FallbackPolicy:
         margin: fall back when compressed cost > (1 + margin) * dense cost ...
         min_gain_ms: ... and the difference exceeds this many milliseconds (tiny buckets whose
             costs differ by noise keep their codec).
+        clear_win: compressed steps shorter than ``clear_win`` times the last plain step are a
+            clear win, decided without plain probe steps.
     """
 
-    def __init__(self, enabled: bool | None = None, probe_steps: int = 3, margin: float = 0.1, min_gain_ms: float = 2.0):
+    def __init__(
+        self,
+        enabled: bool | None = None,
+        probe_steps: int = 3,
+        margin: float = 0.1,
+        min_gain_ms: float = 2.0,
+        clear_win: float = 0.8,
+    ):
         if probe_steps < 1:
             raise ValueError(f"probe_steps must be >= 1, got {probe_steps}")
         if margin < 0 or min_gain_ms < 0:
             raise ValueError("margin and min_gain_ms must be >= 0")
+        if not 0 < clear_win <= 1:
+            raise ValueError(f"clear_win must be in (0, 1], got {clear_win}")
+        self.clear_win = float(clear_win)
         self.enabled = default_enabled() if enabled is None else bool(enabled)
         self.probe_steps = int(probe_steps)
         self.margin = float(margin)
@@ -77,9 +95,12 @@ class FallbackPolicy:
         self.step_decision: tuple[float, float] | None = None
         self._lock = threading.Lock()
         self._prev_done = 0.0
-        self.step_times: dict[str, list[float]] = {"dense": [], "compressed": []}
+        self.step_times: dict[str, list[float]] = {"dense": [], "compressed": [], "plain_probe": []}
         self._step_start: float | None = None
         self._step_kind: str | None = None
+        # set once the compressed probe is not a clear win: (averaged compressed bucket costs, step)
+        self._plain_probe: tuple[list[str], list[float], float] | None = None
+        self._probe_dense: dict[str, list[float]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -91,17 +112,19 @@ class FallbackPolicy:
         self._lock = threading.Lock()
 
     def falls_back(self, bucket_key: str) -> bool:
-        return bucket_key in self.fallback
+        return self._plain_probe is not None or bucket_key in self.fallback
 
     def wants_timing(self) -> bool:
         return self.enabled and not self.decided
 
-    def start_step(self) -> None:
+    def start_step(self, exclude_s: float = 0.0) -> None:
+        """A new step begins (its first bucket is ready); ``exclude_s``: time since the previous
+        step's end that was not the step's own (the codec's step-end work)."""
         now = time.perf_counter()
         with self._lock:
             self._prev_done = 0.0
             if self.wants_timing() and self._step_start is not None and self._step_kind is not None:
-                self.step_times[self._step_kind].append(now - self._step_start)
+                self.step_times[self._step_kind].append(now - self._step_start - exclude_s)
             self._step_start, self._step_kind = now, None
 
     def track(self, fut: torch.futures.Future, bucket_key: str, compressed: bool, body_start: float) -> torch.futures.Future:
@@ -109,7 +132,7 @@ class FallbackPolicy:
         body_end = time.perf_counter()
         with self._lock:
             if compressed or self._step_kind is None:
-                self._step_kind = "compressed" if compressed else "dense"
+                self._step_kind = "compressed" if compressed else "plain_probe" if self._plain_probe else "dense"
 
         def record(f: torch.futures.Future) -> torch.Tensor:
             done = time.perf_counter()
@@ -118,6 +141,8 @@ class FallbackPolicy:
                 self._prev_done = max(self._prev_done, done)
                 if compressed:
                     self.comp_costs.setdefault(bucket_key, []).append((body_end - body_start) + link)
+                elif self._plain_probe is not None:
+                    self._probe_dense.setdefault(bucket_key, []).append(link)
                 else:
                     self.dense_cost[bucket_key] = link
             return f.value()
@@ -125,10 +150,13 @@ class FallbackPolicy:
         return fut.then(record)
 
     def maybe_decide(self, process_group: dist.ProcessGroup | None, device: torch.device) -> list[str] | None:
-        """Decide once every timed bucket has ``probe_steps`` compressed samples. A collective: the
-        hook calls it at the same point on every rank. Returns the keys that fall back, if decided."""
+        """Decide once every timed bucket has ``probe_steps`` compressed samples, or after the plain
+        probe steps when that was not a clear win. A collective: the hook calls it at the same point
+        on every rank. Returns the keys that fall back, if decided."""
         if not self.wants_timing():
             return None
+        if self._plain_probe is not None:
+            return self._decide_after_plain_probe(process_group, device)
         keys = sorted(k for k in self.comp_costs if k in self.dense_cost)
         if not keys or any(len(self.comp_costs[k]) < self.probe_steps for k in keys):
             return None
@@ -136,26 +164,60 @@ class FallbackPolicy:
         comp = [statistics.median(self.comp_costs[k][1:] or self.comp_costs[k]) for k in keys]
         dense = [self.dense_cost[k] for k in keys]
         steps_c, steps_d = self.step_times["compressed"], self.step_times["dense"]
-        # the last plain step before compression started, and the compressed steps after the first
+        # the compressed steps after the first, and the last plain step before compression started
         step_pair = [statistics.median(steps_c[1:] or steps_c or [0.0]), steps_d[-1] if steps_d else 0.0]
-        costs = torch.tensor(comp + dense + step_pair + [float(len(keys))], dtype=torch.float64, device=device)
+        costs = self._average(comp + dense + step_pair, len(keys), process_group, device)
+        n = len(keys)
+        comp, dense = costs[:n], costs[n : 2 * n]
+        step_c, step_d = costs[2 * n], costs[2 * n + 1]
+        if step_c > 0 and step_d > 0 and step_c >= self.clear_win * step_d:
+            # not a clear win: time plain steps now, at the same point of training
+            self._plain_probe = (keys, comp, step_c)
+            log.info("gradcomp fallback: compressed step %.1f ms vs plain %.1f ms: probing plain steps", 1e3 * step_c, 1e3 * step_d)
+            return None
+        # a clear win for the whole step: per-bucket costs, noisy where ranks share cores, must
+        # not send a large bucket plainly over the slow link that made compression win
+        return self._finish(keys, comp, dense, (step_c, step_d), whole_step_loses=False, per_bucket=False)
+
+    def _decide_after_plain_probe(self, process_group: dist.ProcessGroup | None, device: torch.device) -> list[str] | None:
+        keys, comp, step_c = self._plain_probe
+        steps_p = self.step_times["plain_probe"]
+        if len(steps_p) < self.probe_steps or any(len(self._probe_dense.get(k, [])) < self.probe_steps for k in keys):
+            return None
+        dense = [statistics.median(self._probe_dense[k]) for k in keys]
+        costs = self._average(dense + [statistics.median(steps_p)], len(keys), process_group, device)
+        step_p = costs[len(keys)]
+        self._plain_probe = None
+        # ties go to plain all-reduce: it is exact
+        loses = step_c >= step_p or (step_p - step_c) * 1e3 <= self.min_gain_ms
+        return self._finish(keys, comp, costs[: len(keys)], (step_c, step_p), whole_step_loses=loses)
+
+    def _average(self, values: list[float], n_keys: int, process_group: dist.ProcessGroup | None, device: torch.device) -> list[float]:
+        costs = torch.tensor(values + [float(n_keys)], dtype=torch.float64, device=device)
         if dist.is_initialized() and dist.get_world_size(process_group) > 1:
             dist.all_reduce(costs, group=process_group)
             world = dist.get_world_size(process_group)
-            if int(round(float(costs[-1]) / world)) != len(keys):
+            if int(round(float(costs[-1]) / world)) != n_keys:
                 raise RuntimeError("ranks timed different bucket layouts; cannot agree on a fallback decision")
             costs = costs / world
-        n = len(keys)
-        step_c, step_d = float(costs[2 * n]), float(costs[2 * n + 1])
-        self.step_decision = (step_c, step_d)
-        whole_step_loses = step_d > 0 and step_c > 0 and self._loses(step_c, step_d)
-        for i, k in enumerate(keys):
-            c, d = float(costs[i]), float(costs[n + i])
+        return [float(c) for c in costs[:-1]]
+
+    def _finish(
+        self,
+        keys: list[str],
+        comp: list[float],
+        dense: list[float],
+        steps: tuple[float, float],
+        whole_step_loses: bool,
+        per_bucket: bool = True,
+    ) -> list[str]:
+        self.step_decision = steps
+        for k, c, d in zip(keys, comp, dense):
             self.decisions[k] = (c, d)
-            if whole_step_loses or self._loses(c, d):
+            if whole_step_loses or (per_bucket and self._loses(c, d)):
                 self.fallback.add(k)
         self.decided = True
-        log.info("gradcomp fallback: compressed step %.1f ms vs plain step %.1f ms", 1e3 * step_c, 1e3 * step_d)
+        log.info("gradcomp fallback: compressed step %.1f ms vs plain step %.1f ms", 1e3 * steps[0], 1e3 * steps[1])
         for k in keys:
             c, d = self.decisions[k]
             verdict = "plain all-reduce" if k in self.fallback else "compressed"

@@ -172,11 +172,13 @@ class CodecHookState:
             # the previous step's futures have all completed (DDP waited for them), so step-end
             # work (refitting a basis, training an autoencoder) may run collectives here safely
             self._step_end_pending = False
+            step_end_start = time.perf_counter()
             self.codec.on_step_end(self.step - 1)
+            # a refit or an autoencoder's training is not what the fallback compares
+            self.fallback.start_step(exclude_s=time.perf_counter() - step_end_start)
             fell_back = self.fallback.maybe_decide(self.process_group, _group_device(self.process_group))
             if fell_back is not None:
                 self.stats.set_extra(fallback_buckets=len(fell_back))
-            self.fallback.start_step()
         body_start = time.perf_counter()
         step = self.step
         buf = bucket.buffer()

@@ -55,10 +55,11 @@ class CompressedDDPStrategy(DDPStrategy):
         nonfinite: what happens when any rank's gradient holds a NaN or an Inf: ``"skip"`` the
             optimizer step on every rank (default), step with the bad buckets ``"zero"``-ed, or
             ``"raise"`` a ``FloatingPointError`` on every rank.
-        fallback: time each bucket sent plain and compressed over the first compressed steps, and
-            send plainly the buckets for which compression costs more than it saves (decided
-            together by all ranks, logged as ``gradcomp/fallback_buckets``). ``False`` always
-            compresses; ``None`` (default) is on unless ``LIGHTNING_GRADCOMP_FALLBACK=0``.
+        fallback: time plain and compressed steps (and each bucket) over the first compressed
+            steps, and send plainly when compression costs more than it saves (decided together
+            by all ranks, logged as ``gradcomp/fallback_buckets``; see
+            :mod:`lightning_gradcomp.fallback`). ``False`` always compresses; ``None`` (default)
+            is on unless ``LIGHTNING_GRADCOMP_FALLBACK=0``.
         **kwargs: everything else :class:`~lightning.pytorch.strategies.DDPStrategy` takes
             (``process_group_backend``, ``timeout``, ``start_method``, ...) and the options of
             :class:`torch.nn.parallel.DistributedDataParallel` (``find_unused_parameters``,

@@ -96,6 +96,8 @@ def find_data(given: str | None, cache_dir: str | None) -> tuple[str, Path]:
     """``("folder" | "torchvision", path)``, unpacking a tarball first; exit 2 when nothing fits."""
     candidates = [Path(given)] if given else [REPO.parent / "shared" / "data" / "cifar10-jpeg.tar.gz", Path("data") / "cifar10"]
     for c in candidates:
+        if c.is_dir() and (c / "cifar10-jpeg.tar.gz").is_file() and not (c / "train").is_dir():
+            c = c / "cifar10-jpeg.tar.gz"  # a data directory that holds the tarball
         if c.is_file() and c.name.endswith((".tar.gz", ".tgz", ".tar")):
             return "folder", unpack(c, Path(cache_dir) if cache_dir else Path.home() / ".cache" / "lightning_gradcomp")
         if (c / "train").is_dir() and (c / "test").is_dir():

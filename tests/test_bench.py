@@ -228,7 +228,9 @@ import argparse, json
 p = argparse.ArgumentParser()
 for a in ("--codec", "--devices", "--accelerator", "--max-steps", "--metrics-json", "--data-dir"):
     p.add_argument(a)
+p.add_argument("--no-fallback", action="store_true")
 a = p.parse_args()
+assert a.no_fallback  # accuracy measures the codec, never the plain fallback
 if a.codec == "broken":
     raise SystemExit(3)
 sent = {"none": 4e9, "topk": 8e7}[a.codec]
@@ -272,6 +274,7 @@ def test_accuracy_runs_recipes_and_collects_metrics(tmp_path, capsys):
         "max_steps": "7",
         "metrics_json": str(out / "runs" / "cifar10-topk.json"),
         "data_dir": "DATA",
+        "no_fallback": True,
     }
     broken = next(r for r in rows if r["codec"] == "broken" and r["task"] == "cifar10")
     assert broken["status"].startswith("failed (exit 3)")

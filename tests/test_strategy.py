@@ -100,7 +100,7 @@ def fallback_worker(rank: int, world: int, enabled: bool):
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     phases = []
-    for _ in range(8):
+    for _ in range(11):
         x = torch.randn(16, 64)
         opt.zero_grad()
         ddp(x).square().mean().backward()
@@ -114,7 +114,8 @@ def test_fallback_sends_plainly_when_the_codec_costs_more():
     phases, fallback, decisions = r0
     assert fallback and fallback == r1[1]  # every rank took the same decision
     assert phases[:2] == [False, False] and all(phases[2:5])  # plain, then 3 probe steps compressed
-    assert not any(phases[5:])  # then plain for good
+    # not a clear win: 3 plain probe steps, decided at the start of step 8, then plain for good
+    assert not any(phases[5:])
     assert all(c > d for c, d in decisions.values())
 
 

@@ -71,7 +71,8 @@ def measure_codec(name: str, options: dict[str, Any], model_name: str, args: arg
     torch.manual_seed(0)
     model = build_model(model_name)
     ddp = DistributedDataParallel(model, init_sync=False)
-    state, hook = make_comm_hook(name, ddp, stats_every=_NEVER, **options)
+    # fallback off: in a one-rank group a plain all-reduce is free and would always win
+    state, hook = make_comm_hook(name, ddp, stats_every=_NEVER, fallback=False, **options)
     spent = [0.0]
 
     def timed_hook(st, bucket):  # no annotations: DDP checks them
@@ -95,7 +96,9 @@ def measure_codec(name: str, options: dict[str, Any], model_name: str, args: arg
         loss_fn(ddp(x), y).backward()
         opt.step()
         st = state.stats.pop()
-        compressed = bool(st is not None and st.compressed)
+        # "compressed" and actually smaller: a codec's own warm-up (GradiVeQ's, LGC's) runs on
+        # the compressed path while still sending dense gradients
+        compressed = bool(st is not None and st.compressed and st.wire_bytes < st.raw_wire_bytes)
         if phase == "probe":
             rel_error = None if st is None else st.rel_error
             break
