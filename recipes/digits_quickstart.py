@@ -27,14 +27,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradcomp.cli import add_compression_args, add_trainer_args, build_trainer, check_codec_args, print_report, report
+from lightning_gradcomp import cli
 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_compression_args(p)
-    add_trainer_args(p, checkpoints=False)
+    cli.add_compression_args(p)
+    cli.add_trainer_args(p, checkpoints=False)
     g = p.add_argument_group("optimizer")
     g.add_argument("--batch-size", type=int, default=32, help="per process (default 32)")
     g.add_argument("--lr", type=float, default=5e-3, help="Adam learning rate (default 5e-3)")
@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # here to show the codec at work, so it always compresses
     p.set_defaults(max_epochs=10, log_every_n_steps=5, no_fallback=True)
     args = p.parse_args(argv)
-    check_codec_args(p, args)
+    cli.check_codec_args(p, args)
     return args
 
 
@@ -94,17 +94,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)  # two processes on two cores: one thread each
     L.seed_everything(args.seed)
     train, test = digits(args.seed)
-    trainer = build_trainer(args, "digits_quickstart")
+    trainer = cli.build_trainer(args, "digits_quickstart")
     module = make_module(args.lr)
     start = time.perf_counter()
     trainer.fit(module, DataLoader(train, args.batch_size, shuffle=True), DataLoader(test, 256))
     wall = time.perf_counter() - start
     trainer.validate(module, DataLoader(test, 256), verbose=False)
     accuracy = float(trainer.callback_metrics["val/acc"])
-    result = report(trainer, args, "digits_quickstart", {"val/acc": accuracy}, wall)
+    result = cli.report(trainer, args, "digits_quickstart", {"val/acc": accuracy}, wall)
     if trainer.is_global_zero:
         print(f"\ntest accuracy {accuracy:.4f} after {trainer.global_step} steps on {trainer.world_size} processes ({wall:.0f} s)")
-    print_report(trainer, args, result)
+    cli.print_report(trainer, args, result)
     return result
 
 

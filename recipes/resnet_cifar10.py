@@ -47,14 +47,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from lightning_gradcomp.cli import (
-    add_compression_args,
-    add_trainer_args,
-    build_trainer,
-    check_codec_args,
-    print_report,
-    report,
-)
+from lightning_gradcomp import cli
 
 REPO = Path(__file__).resolve().parents[1]
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -73,8 +66,8 @@ unpack it into DIR) and pass --data-dir DIR."""
 # options
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_compression_args(p)
-    add_trainer_args(p)
+    cli.add_compression_args(p)
+    cli.add_trainer_args(p)
     g = p.add_argument_group("data and model")
     g.add_argument("--data-dir", default=None, help="ImageFolder dir, its .tar.gz, or torchvision files (see above)")
     g.add_argument("--cache-dir", default=None, help="where a tarball is unpacked (default ~/.cache/lightning_gradcomp)")
@@ -86,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--lr", type=float, default=0.1, help="SGD learning rate, cosine decay (default 0.1)")
     g.add_argument("--weight-decay", type=float, default=5e-4)
     args = p.parse_args(argv)
-    check_codec_args(p, args)
+    cli.check_codec_args(p, args)
     return args
 
 
@@ -230,18 +223,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     train_loader = DataLoader(train, args.batch_size, shuffle=True, drop_last=True, num_workers=workers, persistent_workers=workers > 0)
     val_loader = DataLoader(test, 256, num_workers=workers)
     module = make_module(args)
-    trainer = build_trainer(args, "resnet_cifar10")
+    trainer = cli.build_trainer(args, "resnet_cifar10")
     start = time.perf_counter()
     trainer.fit(module, train_loader, val_loader, ckpt_path=args.ckpt_path)
     wall = time.perf_counter() - start
     if module.validated_at != trainer.global_step:  # the budget ended between validations
         trainer.validate(module, val_loader, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    result = report(trainer, args, "resnet_cifar10", metrics, wall)
+    result = cli.report(trainer, args, "resnet_cifar10", metrics, wall)
     if trainer.is_global_zero:
         print(f"\naccuracy {metrics.get('val/acc', float('nan')):.4f}  val loss {metrics.get('val/loss', float('nan')):.4f}"
               f"  ({len(test)} test images)")
-    print_report(trainer, args, result)
+    cli.print_report(trainer, args, result)
     return result
 
 

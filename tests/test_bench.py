@@ -455,3 +455,11 @@ def test_link_over_namespaces_times_steps_at_the_shaped_rate(tmp_path, monkeypat
     assert none["measured_steps"] == 2 and none["comm_ms"] / 1e3 > 0.6 * link_s
     assert none["step_s"] > 0.6 * link_s
     assert netns.list_namespaces(f"{netns.PREFIX}{os.getpid()}-") == []
+
+
+def test_plot_lists_only_the_run_behind_each_configuration():
+    argv = ["link", "--hosts", "2", "--rates", "1gbit", "+", "link", "--hosts", "4", "--rates", "100mbit",
+            "+", "link", "--hosts", "2", "--rates", "1gbit", "--codecs", "none"]
+    lines = plot._commands(argv)
+    assert lines[0] == "Commands:" and len(lines) == 3
+    assert "--hosts 4" in lines[1] and "--codecs none" in lines[2]  # the first 1gbit run was replaced

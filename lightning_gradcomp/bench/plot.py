@@ -61,9 +61,14 @@ def plot_link(rows: list[dict[str, Any]], figdir: Path) -> list[Path]:
         by_codec: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for r in rs:
             by_codec[r["codec"]].append((r["rate_bps"] / 1e6, r["step_s"]))
-        for codec, pts in by_codec.items():
+        colors = plt.get_cmap("tab20").colors  # more codecs than the default cycle's 10 colours
+        for i, (codec, pts) in enumerate(by_codec.items()):
             pts.sort()
-            style = {"color": "black", "linestyle": "--", "marker": "s"} if codec == link_mod.FLOOR else {"marker": "o"}
+            style = (
+                {"color": "black", "linestyle": "--", "marker": "s"}
+                if codec == link_mod.FLOOR
+                else {"marker": "o^sv"[(i // 10) % 4], "color": colors[(2 * i) % 20 + (i // 10) % 2]}
+            )
             label = "no communication (floor)" if codec == link_mod.FLOOR else codec
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **style)
         ax.set_xscale("log")
@@ -129,7 +134,8 @@ def link_pivot(rows: list[dict[str, Any]]) -> dict[tuple[str, int], tuple[list[d
             cell = "-" if r.get("step_s") is None else f"{r['step_s']:.2f} s"
             if r.get("x_floor") and r["codec"] != link_mod.FLOOR:
                 cell += f" ({r['x_floor']:.2f}x)"
-            if r.get("fallback"):
+            sent_plainly = r.get("compressed_fraction") == 0 and r["codec"].split("@")[0] != "none"
+            if r.get("fallback") or sent_plainly:  # every timed step went plainly: the fallback decided so
                 cell += " fb"
             name = "no communication (floor)" if r["codec"] == link_mod.FLOOR else r["codec"]
             table.setdefault(r["codec"], {"codec": name})[r["rate"]] = cell
@@ -174,9 +180,11 @@ def write_markdown(path: Path, results: Path, figures: list[Path]) -> Path:
                 f"latency {lm.get('latency')}); mode: {lm.get('mode')}. Median step time after warm-up (in brackets: "
                 "times the no-communication floor of the same run; `fb`: the strategy fell back to plain all-reduce).",
                 "",
-                "Warm-up steps (at least 3, and until the codec compresses) and the one step that samples the "
-                "relative error are not timed; our choice: they run at 1 Gbit/s and only the timed steps at the "
-                "rate shown, since warm-up steps are plain all-reduce by construction. `comm ms` is the time from "
+                "Warm-up steps (at least 3, until the codec compresses and the strategy's fallback has decided) "
+                "and the one step that samples the relative error are not timed. With the fallback on (the default) "
+                "they run at the rate shown, since the fallback must time that link; runs made with "
+                "`LIGHTNING_GRADCOMP_FALLBACK=0` run them at 1 Gbit/s and only the timed steps at the rate shown. "
+                "`comm ms` is the time from "
                 "launching each bucket's collective to its completion, summed over buckets, so it overlaps backward "
                 "and can exceed what the step loses to the link; bytes are per rank and step under ring algorithms. "
                 "With more hosts than cores, ranks share cores: compare such rows with their own floor.",
@@ -235,7 +243,8 @@ def write_markdown(path: Path, results: Path, figures: list[Path]) -> Path:
 
 
 def _commands(argv: list[str]) -> list[str]:
-    """``link ... + link ...`` (runs appended to one result file) as one command line each."""
+    """``link ... + link ...`` (runs appended to one result file) as one command line each; of runs
+    with the same ``--hosts`` and ``--rates`` only the last, whose rows replaced the others', is kept."""
     runs, cur = [], []
     for a in list(argv) + ["+"]:
         if a == "+":
@@ -244,6 +253,13 @@ def _commands(argv: list[str]) -> list[str]:
             cur = []
         else:
             cur.append(a)
+
+    def key(run: list[str]) -> tuple:
+        opt = lambda name: run[run.index(name) + 1] if name in run[:-1] else None  # noqa: E731
+        return (run[0], opt("--hosts"), opt("--rates"), opt("--model")) if run[0] == "link" else tuple(run)
+
+    last = {key(r): i for i, r in enumerate(runs)}
+    runs = [r for i, r in enumerate(runs) if last[key(r)] == i]
     return ["Command" + ("s:" if len(runs) > 1 else ":")] + [
         "`python -m lightning_gradcomp.bench "
         + " ".join(shlex.quote(x) for x in r)
