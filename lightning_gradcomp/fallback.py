@@ -188,8 +188,8 @@ class FallbackPolicy:
         costs = self._average(dense + [statistics.median(steps_p)], len(keys), process_group, device)
         step_p = costs[len(keys)]
         self._plain_probe = None
-        # ties go to plain all-reduce: it is exact
-        loses = step_c >= step_p or (step_p - step_c) * 1e3 <= self.min_gain_ms
+        # compression must win by more than min_gain_ms; ties go to plain all-reduce, which is exact
+        loses = (step_p - step_c) * 1e3 <= self.min_gain_ms
         return self._finish(keys, comp, costs[: len(keys)], (step_c, step_p), whole_step_loses=loses)
 
     def _average(self, values: list[float], n_keys: int, process_group: dist.ProcessGroup | None, device: torch.device) -> list[float]:

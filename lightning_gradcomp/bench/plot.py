@@ -47,6 +47,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_link(rows: list[dict[str, Any]], figdir: Path) -> list[Path]:
     """One figure per (model, host count): step time against rate, per codec."""
     plt = _pyplot()
@@ -82,11 +89,7 @@ def plot_link(rows: list[dict[str, Any]], figdir: Path) -> list[Path]:
         ax.set_title(f"{model}, {hosts} hosts, one core per rank")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = figdir / f"link_{model}_{hosts}hosts.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, figdir / f"link_{model}_{hosts}hosts.png"))
     return paths
 
 
@@ -111,11 +114,7 @@ def plot_accuracy(rows: list[dict[str, Any]], figdir: Path) -> list[Path]:
         ax.set_ylabel(rs[0].get("metric_name") or "task metric")
         ax.set_title(f"{task}: same step budget for every codec")
         ax.grid(True, which="both", alpha=0.3)
-        fig.tight_layout()
-        path = figdir / f"accuracy_{task}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, figdir / f"accuracy_{task}.png"))
     return paths
 
 
