@@ -24,6 +24,7 @@ def make_comm_hook(
     stats_every: int = 10,
     nonfinite: str = "zero",
     fallback: bool | None = None,
+    total_steps: int | None = None,
     **codec_options: Any,
 ) -> tuple[CodecHookState, Callable]:
     """Build ``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
@@ -41,6 +42,8 @@ def make_comm_hook(
             also skips the optimizer step for you.
         fallback: send a bucket plainly when compressing it costs more than it saves (timed over
             the first compressed steps; see :mod:`lightning_gradcomp.fallback`).
+        total_steps: the run's length in optimizer steps, if known: warm-ups given as a fraction
+            of the run resolve against it (unknown: they take their caps, the papers' step counts).
         **codec_options: hyper-parameters of a named codec.
 
     Must be called on every rank after ``init_process_group`` (it checks that all ranks agree on
@@ -53,15 +56,17 @@ def make_comm_hook(
         >>> ddp.register_comm_hook(state, hook)
     """
     codec_obj = resolve_codec(codec, codec_options or None)
-    check_codec_consistency(codec_obj, process_group)
+    codec_obj.fit_to_run(total_steps)
     names: dict[int, str] = {}
     device = torch.device("cpu")
     if model is not None:
         module = model.module if isinstance(model, DistributedDataParallel) else model
         names = {id(p): n for n, p in module.named_parameters()}
+        codec_obj.plan_layers(module.named_parameters())
         first = next(module.parameters(), None)
         if first is not None:
             device = first.device
+    check_codec_consistency(codec_obj, process_group)
     codec_obj.setup(make_context(process_group, device))
     state = CodecHookState(
         codec_obj,

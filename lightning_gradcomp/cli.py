@@ -9,7 +9,7 @@ compression summary mean the same thing in each of them::
     add_trainer_args(parser)
     args = parser.parse_args()
     check_codec_args(parser, args)          # a bad codec or option: an argparse error, not a traceback
-    trainer = build_trainer(args, "my_task")
+    trainer = build_trainer(args, "my_task", history_metric="val/acc")  # optional: metric per validation
     ...
     result = report(trainer, args, "my_task", metrics, wall_s)
 """
@@ -17,6 +17,7 @@ compression summary mean the same thing in each of them::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import warnings
@@ -25,6 +26,7 @@ from typing import Any
 
 __all__ = [
     "CODEC_CALLBACKS",
+    "ValidationHistory",
     "add_compression_args",
     "add_trainer_args",
     "build_trainer",
@@ -67,6 +69,9 @@ def add_trainer_args(parser: argparse.ArgumentParser, *, checkpoints: bool = Tru
     g.add_argument("--limit-train-batches", default=None, help="int (batches) or float (fraction) per epoch")
     g.add_argument("--limit-val-batches", default=None, help="int (batches) or float (fraction)")
     g.add_argument("--val-every-n-epochs", type=int, default=1)
+    g.add_argument("--val-every-n-steps", type=int, default=None, metavar="N",
+                   help="validate every N optimizer steps, counted across epochs (Lightning's val_check_interval=N "
+                        "with check_val_every_n_epoch=None); replaces --val-every-n-epochs")
     g.add_argument("--seed", type=int, default=0)
     g = parser.add_argument_group("outputs")
     g.add_argument("--log-dir", default="lightning_logs", help="TensorBoard root (default ./lightning_logs)")
@@ -128,10 +133,61 @@ def int_or_float(value: str | None) -> int | float | None:
     return float(value) if "." in value else int(value)
 
 
-def build_trainer(args: argparse.Namespace, name: str, **trainer_options: Any):
+class ValidationHistory:
+    """Records ``metric`` (a key of ``trainer.callback_metrics``) with the global step after every
+    validation run, on rank 0, for time-to-accuracy curves; :func:`report` adds the points to the
+    metrics JSON as ``history: [{"step": int, "metric": float}, ...]``. A validation at a step
+    already recorded (the recipes validate once more when the budget ends between validations)
+    replaces that point. The points are saved in checkpoints, so a resumed run keeps the earlier ones.
+
+    ``ValidationHistory("val/acc")`` is a ``lightning.pytorch.callbacks.Callback``: the subclass that
+    adds the Callback base is made on first use, so that this module imports without Lightning."""
+
+    def __new__(cls, metric: str):
+        if cls is ValidationHistory:
+            cls = _validation_history_callback()
+        return super().__new__(cls)
+
+    def __init__(self, metric: str) -> None:
+        self.metric = metric
+        self.history: list[dict[str, Any]] = []
+
+    @property
+    def state_key(self) -> str:
+        return f"ValidationHistory[{self.metric}]"
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero or self.metric not in trainer.callback_metrics:
+            return
+        point = {"step": int(trainer.global_step), "metric": float(trainer.callback_metrics[self.metric])}
+        if self.history and self.history[-1]["step"] == point["step"]:
+            self.history[-1] = point
+        else:
+            self.history.append(point)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = list(state_dict.get("history", []))
+
+    def __reduce__(self):  # copies and pickles rebuild the Callback subclass through ValidationHistory(metric)
+        return ValidationHistory, (self.metric,), {"history": list(self.history)}
+
+
+@functools.cache
+def _validation_history_callback() -> type:
+    from lightning.pytorch.callbacks import Callback
+
+    return type("ValidationHistory", (ValidationHistory, Callback), {"__module__": __name__})
+
+
+def build_trainer(args: argparse.Namespace, name: str, *, history_metric: str | None = None, **trainer_options: Any):
     """A ``lightning.Trainer`` with ``CompressedDDPStrategy(args.codec)``, the codec's callbacks,
     TensorBoard under ``args.log_dir/name`` and, when the recipe takes ``--ckpt-*``, a
-    ``ModelCheckpoint`` that keeps ``last.ckpt``. ``trainer_options`` override the defaults."""
+    ``ModelCheckpoint`` that keeps ``last.ckpt``. With ``history_metric`` (e.g. ``"val/acc"``), a
+    :class:`ValidationHistory` of that metric. ``--val-every-n-steps N`` validates every N steps
+    across epochs. ``trainer_options`` override the defaults."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -144,6 +200,8 @@ def build_trainer(args: argparse.Namespace, name: str, **trainer_options: Any):
         callbacks.append(ModelCheckpoint(filename="{epoch}-{step}", save_last=True, every_n_train_steps=args.ckpt_every_n_steps))
     if not args.no_codec_callbacks:
         callbacks += codec_callbacks(args.codec)
+    if history_metric is not None:
+        callbacks.append(ValidationHistory(history_metric))
     options: dict[str, Any] = dict(
         accelerator=args.accelerator,
         devices=int(args.devices) if args.devices.isdigit() else args.devices,
@@ -167,18 +225,23 @@ def build_trainer(args: argparse.Namespace, name: str, **trainer_options: Any):
         num_sanity_val_steps=0,  # CPU budgets are short; the final validation runs anyway
         enable_progress_bar=sys.stdout.isatty(),  # no bar in log files
     )
+    val_every_n_steps = getattr(args, "val_every_n_steps", None)
+    if val_every_n_steps:  # Lightning counts an int interval across epochs only without an epoch rule
+        options.update(val_check_interval=val_every_n_steps, check_val_every_n_epoch=None)
     options.update(trainer_options)
     return L.Trainer(**options)
 
 
 def report(trainer: Any, args: argparse.Namespace, recipe: str, metrics: dict[str, float], wall_s: float) -> dict[str, Any]:
-    """Final numbers: task metrics and what the codec sent (this rank's bytes, ring estimate)."""
+    """Final numbers: task metrics and what the codec sent (this rank's bytes, ring estimate), the
+    run's seed, model and batch size per process where the recipe has them, and the
+    :class:`ValidationHistory` when the trainer records one."""
     state = trainer.strategy.hook_state
     totals = state.stats.totals if state is not None else None
     last = state.stats.last if state is not None else None
     sent = float(totals.wire_bytes) if totals else 0.0
     raw = float(totals.raw_wire_bytes) if totals else 0.0  # what plain fp32 all-reduce would have sent
-    return {
+    result = {
         "recipe": recipe,
         "codec": args.codec,
         "codec_options": args.codec_options,
@@ -192,6 +255,11 @@ def report(trainer: Any, args: argparse.Namespace, recipe: str, metrics: dict[st
         "fallback_buckets": len(state.fallback.fallback) if state is not None else 0,
         "wall_s": wall_s,
     }
+    result.update({k: getattr(args, k) for k in ("seed", "model", "batch_size") if hasattr(args, k)})
+    history = next((cb for cb in trainer.callbacks if isinstance(cb, ValidationHistory)), None)
+    if history is not None:
+        result["history"] = history.history
+    return result
 
 
 def print_report(trainer: Any, args: argparse.Namespace, result: dict[str, Any]) -> None:

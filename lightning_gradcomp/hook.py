@@ -272,7 +272,8 @@ class CodecHookState:
                 if codec.error_feedback:
                     memory.stage(k, diff)
                 if sample:
-                    err_sq += float(diff.double().pow(2).sum())
+                    sent_diff = diff if enc.sent is None else x - enc.sent
+                    err_sq += float(sent_diff.double().pow(2).sum())
                     ref_sq += float(x.double().pow(2).sum())
         if dense_grads:
             dense = torch.cat([g.reshape(-1) for g in dense_grads]).to(torch.float32).div_(world)

@@ -130,6 +130,10 @@ class CompressedDDPStrategy(DDPStrategy):
         # Lightning's DDPStrategy registers hooks only when the device is CUDA; we always do.
         assert isinstance(self.model, DistributedDataParallel)
         group = None  # the default (WORLD) group; resolved inside the hook so the state pickles
+        # schedules given as a fraction of the run (warm-ups) resolve against Lightning's estimate
+        # of the run's optimizer steps, identical on every rank, before the ranks compare options
+        self.codec.fit_to_run(self._estimated_total_steps())
+        self.codec.plan_layers(self.model.module.named_parameters())
         check_codec_consistency(self.codec, group)
         self.codec.setup(make_context(group, self.root_device))
         names = {id(p): n for n, p in self.model.module.named_parameters()}
@@ -156,6 +160,19 @@ class CompressedDDPStrategy(DDPStrategy):
         self.hook_state = state
         self.model.register_comm_hook(state, codec_hook)
         log.debug(f"{type(self).__name__}: registered {self.codec!r} on {self.root_device}")
+
+    def _estimated_total_steps(self) -> int | None:
+        """The run's optimizer steps as Lightning estimates them, or ``None`` outside ``fit`` or
+        for an open-ended run (``max_steps=-1, max_epochs=-1``)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn != "fit":
+            return None
+        try:
+            total = trainer.estimated_stepping_batches
+        except Exception as err:  # no train dataloader length (an iterable dataset): say so, go on
+            log.info(f"{type(self).__name__}: run length unknown ({err}); fraction schedules use their caps")
+            return None
+        return int(total) if total is not None and total != float("inf") else None
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

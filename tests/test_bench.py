@@ -1,5 +1,6 @@
 """The benchmark tool: a real 2-rank multi-node run on loopback, its tables and files, the plots,
-the accuracy driver on a stand-in recipe, and (as root with iproute2) the network namespaces."""
+the accuracy driver on a stand-in recipe (seeds, resume), time to accuracy on synthetic results,
+the recipes' validation history, and (as root with iproute2) the network namespaces."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from lightning_gradcomp import available_codecs
-from lightning_gradcomp.bench import accuracy, link, netns, plot
+from lightning_gradcomp import available_codecs, cli
+from lightning_gradcomp.bench import accuracy, link, netns, plot, tta
 from lightning_gradcomp.bench.__main__ import main as bench_main
 from lightning_gradcomp.bench.results import Column, format_table, markdown_table, write_csv
 from lightning_gradcomp.bench.worker import NoCommCodec, summarize
@@ -226,7 +228,8 @@ def test_plot_writes_figures_and_markdown(tmp_path):
 FAKE_RECIPE = """
 import argparse, json
 p = argparse.ArgumentParser()
-for a in ("--codec", "--devices", "--accelerator", "--max-steps", "--metrics-json", "--data-dir"):
+for a in ("--codec", "--devices", "--accelerator", "--seed", "--max-steps", "--max-epochs", "--metrics-json",
+          "--data-dir"):
     p.add_argument(a)
 p.add_argument("--no-fallback", action="store_true")
 a = p.parse_args()
@@ -234,8 +237,12 @@ assert a.no_fallback  # accuracy measures the codec, never the plain fallback
 if a.codec == "broken":
     raise SystemExit(3)
 sent = {"none": 4e9, "topk": 8e7}[a.codec]
-json.dump({"val_acc": 0.5 if a.codec == "none" else 0.45, "bytes_sent": sent, "compression_ratio": 4e9 / sent,
-           "global_step": int(a.max_steps), "argv": vars(a)}, open(a.metrics_json, "w"))
+steps = int(a.max_steps or 10)
+acc = (0.5 if a.codec == "none" else 0.45) + 0.01 * int(a.seed)
+json.dump({"val_acc": acc, "bytes_sent": sent, "compression_ratio": 4e9 / sent,
+           "compression_ratio_last": 4e9 / sent * 1.5, "global_step": steps, "batch_size": 64,
+           "history": [{"step": steps // 2, "metric": acc / 2}, {"step": steps, "metric": acc}],
+           "argv": {k: v for k, v in vars(a).items() if v is not None}}, open(a.metrics_json, "w"))
 """
 
 
@@ -266,19 +273,135 @@ def test_accuracy_runs_recipes_and_collects_metrics(tmp_path, capsys):
     ok = {r["codec"]: r for r in rows if r["task"] == "cifar10" and r["status"] == "ok"}
     assert ok["none"]["metric"] == 0.5 and ok["topk"]["metric"] == 0.45
     assert ok["topk"]["gb_sent"] == pytest.approx(0.08) and ok["topk"]["compression_ratio"] == 50
-    assert ok["topk"]["steps"] == 7 and ok["topk"]["metric_name"] == "val_acc"
+    assert ok["topk"]["compression_ratio_last"] == 75 and ok["topk"]["batch_size"] == 64
+    assert ok["topk"]["steps"] == 7 and ok["topk"]["metric_name"] == "val_acc" and ok["topk"]["seed"] == 0
+    assert ok["topk"]["history"] == [{"step": 3, "metric": 0.225}, {"step": 7, "metric": 0.45}]
     assert ok["topk"]["raw"]["argv"] == {
         "codec": "topk",
         "devices": "2",
         "accelerator": "cpu",
+        "seed": "0",
         "max_steps": "7",
-        "metrics_json": str(out / "runs" / "cifar10-topk.json"),
+        "metrics_json": str(out / "runs" / "cifar10-topk-seed0.json"),
         "data_dir": "DATA",
         "no_fallback": True,
     }
     broken = next(r for r in rows if r["codec"] == "broken" and r["task"] == "cifar10")
-    assert broken["status"].startswith("failed (exit 3)")
+    assert broken["status"].startswith("failed (exit 3)") and "cifar10-broken-seed0.log" in broken["status"]
     assert all(r["status"].startswith("missing recipe") for r in rows if r["task"] == "camvid")
+
+
+def test_accuracy_seeds_and_epochs_reach_the_recipe(tmp_path, capsys):
+    """Each seed is its own run with its own files; --max-epochs replaces the step budget."""
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "resnet_cifar10.py").write_text(FAKE_RECIPE)
+    out = tmp_path / "acc"
+    rc = bench_main(
+        ["accuracy", "--tasks", "cifar10", "--codecs", "none,topk", "--seeds", "0,1", "--max-epochs", "1",
+         "--recipes-dir", str(recipes), "--cifar-data-dir", "DATA", "--out", str(out)]
+    )
+    assert rc == 0
+    data = json.loads((out / "accuracy.json").read_text())
+    assert [(r["codec"], r["seed"]) for r in data["rows"]] == [("none", 0), ("none", 1), ("topk", 0), ("topk", 1)]
+    assert sorted(p.name for p in (out / "runs").glob("*.json")) == [
+        "cifar10-none-seed0.json", "cifar10-none-seed1.json", "cifar10-topk-seed0.json", "cifar10-topk-seed1.json"
+    ]
+    argv = data["rows"][3]["raw"]["argv"]
+    assert argv["seed"] == "1" and argv["max_epochs"] == "1" and "max_steps" not in argv
+    assert data["meta"]["max_epochs"] == 1 and data["meta"]["max_steps"] is None and data["meta"]["seeds"] == [0, 1]
+    summary = {s["codec"]: s for s in data["summary"]}
+    assert summary["none"]["metric_mean"] == pytest.approx(0.505)
+    assert summary["none"]["metric_spread"] == pytest.approx(0.01)
+    assert summary["topk"]["seeds"] == "0,1" and summary["topk"]["budget"] == "1 epoch"
+    assert summary["topk"]["compression_ratio"] == 50 and summary["topk"]["compression_ratio_last"] == 75
+    printed = capsys.readouterr().out
+    assert "max-min" in printed and "ratio last" in printed and "ratio run" in printed
+    assert (out / "accuracy_summary.csv").read_text().splitlines()[0].startswith("task,codec,budget,")
+
+
+def _fake_runner(calls: list, fail: set):
+    """A stand-in for :func:`accuracy.run_recipe`: records the call, fails where told."""
+
+    def run(task, codec, seed, args, out):
+        calls.append((codec, seed, args.max_steps))
+        row = {"task": task, "codec": codec, "seed": seed, "max_steps": args.max_steps or 300, "max_epochs": None,
+               "recipe_args": args.recipe_args, "codec_options": {}, "devices": args.devices}
+        if (codec, seed) in fail:
+            return {**row, "status": "failed (exit 1)"}
+        return {**row, "status": "ok", "metric": 0.5 + seed / 100, "steps": 10, "compression_ratio": 2.0,
+                "compression_ratio_last": 3.0, "gb_sent": 1.0, "metric_name": "val/acc",
+                "call": len(calls)}
+
+    return run
+
+
+def test_accuracy_resume_skips_done_runs_and_reruns_failed(tmp_path, monkeypatch):
+    calls: list = []
+    fail = {("topk", 1)}
+    monkeypatch.setattr(accuracy, "run_recipe", _fake_runner(calls, fail))
+    out = str(tmp_path / "acc")
+    base = ["accuracy", "--tasks", "cifar10", "--codecs", "none,topk", "--seeds", "0,1", "--max-steps", "10",
+            "--recipe-args", "--model resnet10", "--out", out]
+    assert bench_main(base) == 1
+    assert calls == [("none", 0, 10), ("none", 1, 10), ("topk", 0, 10), ("topk", 1, 10)]
+    fail.clear()
+    calls.clear()
+    assert bench_main(base + ["--resume"]) == 0
+    assert calls == [("topk", 1, 10)]  # only the failed run again
+    data = json.loads((tmp_path / "acc" / "accuracy.json").read_text())
+    rows = data["rows"]
+    assert [(r["codec"], r["seed"], r["status"]) for r in rows] == [
+        ("none", 0, "ok"), ("none", 1, "ok"), ("topk", 0, "ok"), ("topk", 1, "ok")
+    ]
+    assert [r["call"] for r in rows] == [1, 2, 3, 1]  # the kept rows are those of the first invocation
+    assert data["meta"]["argv"].count("+") == 1
+    # everything done: nothing runs
+    calls.clear()
+    assert bench_main(base + ["--resume"]) == 0 and calls == []
+    # another budget is another configuration: it runs, the rows of the first stay
+    assert bench_main([*base[:-4], "--max-steps", "20", "--seeds", "0", "--recipe-args", "--model resnet10",
+                       "--out", out, "--resume"]) == 0
+    assert calls == [("none", 0, 20), ("topk", 0, 20)]
+    rows = json.loads((tmp_path / "acc" / "accuracy.json").read_text())["rows"]
+    assert len(rows) == 6
+    summary = {(s["codec"], s["budget"]): s for s in accuracy.summarize(rows)}
+    assert summary[("none", "10 steps")]["metric_mean"] == pytest.approx(0.505)
+    assert summary[("none", "20 steps")]["seeds"] == "0"
+    # without --resume the results are written anew
+    calls.clear()
+    assert bench_main(base[:4] + ["none", "--seeds", "0", "--max-steps", "10", "--recipe-args", "--model resnet10",
+                                   "--out", out]) == 0
+    assert calls == [("none", 0, 10)]
+    assert len(json.loads((tmp_path / "acc" / "accuracy.json").read_text())["rows"]) == 1
+
+
+def test_accuracy_resume_keys_on_recipe_args_and_codec_options(tmp_path, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(accuracy, "run_recipe", _fake_runner(calls, set()))
+    out = str(tmp_path / "acc")
+    assert bench_main(["accuracy", "--tasks", "cifar10", "--codecs", "none", "--out", out]) == 0
+    assert bench_main(["accuracy", "--tasks", "cifar10", "--codecs", "none", "--out", out, "--resume",
+                       "--recipe-args", "--lr 0.05"]) == 0
+    assert len(calls) == 2  # other recipe arguments: not the same run
+    row = {"task": "cifar10", "codec": "powersgd", "seed": 0, "codec_options": {"rank": 4, "a": 1}}
+    assert accuracy.config_key(row) == accuracy.config_key({**row, "codec_options": {"a": 1, "rank": 4}})
+    assert accuracy.config_key(row) != accuracy.config_key({**row, "codec_options": {"rank": 2, "a": 1}})
+
+
+def test_extract_history_orders_steps_and_keeps_the_last_point_of_a_step():
+    data = {"history": [{"step": 100, "metric": 0.4}, {"step": 50, "metric": 0.3}, {"step": 100, "metric": 0.45},
+                        {"step": "x", "metric": 1.0}, {"metric": 0.2}]}
+    assert accuracy.extract_history(data) == [{"step": 50, "metric": 0.3}, {"step": 100, "metric": 0.45}]
+    assert accuracy.extract_history({"metrics": {"val/acc": 0.5}}) == []
+
+
+def test_rows_of_older_results_get_seed_zero_and_the_meta_budget():
+    old = [{"task": "cifar10", "codec": "none", "metric": 0.46}, {"codec": "topk", "seed": 1, "max_steps": 5}]
+    filled = accuracy.fill_older_rows(old, {"max_steps": 200})
+    assert filled[0] == {"seed": 0, "max_steps": 200, "max_epochs": None, **old[0]}
+    assert filled[1] == old[1]
+    assert accuracy.summarize(filled)[0]["budget"] == "200 steps"
 
 
 def test_extract_metrics_reads_nested_and_named_metrics():
@@ -463,3 +586,171 @@ def test_plot_lists_only_the_run_behind_each_configuration():
     lines = plot._commands(argv)
     assert lines[0] == "Commands:" and len(lines) == 3
     assert "--hosts 4" in lines[1] and "--codecs none" in lines[2]  # the first 1gbit run was replaced
+
+
+# --------------------------------------------------------------------------------------------------
+# time to accuracy
+def _acc_row(codec: str, seed: int, history: list[tuple[int, float]], final: float) -> dict:
+    return {"task": "cifar10", "codec": codec, "seed": seed, "max_steps": None, "max_epochs": 1,
+            "recipe_args": "--model resnet10", "codec_options": {}, "devices": 2, "status": "ok",
+            "metric_name": "val/acc", "metric": final, "steps": history[-1][0], "model": "resnet10",
+            "batch_size": 64, "history": [{"step": s, "metric": m} for s, m in history]}
+
+
+def _tta_inputs() -> tuple[dict, dict]:
+    rows = [
+        _acc_row("none", 0, [(50, 0.2), (100, 0.4), (150, 0.5)], 0.5),
+        _acc_row("none", 1, [(50, 0.3), (100, 0.4), (150, 0.6)], 0.6),
+        _acc_row("powersgd", 0, [(50, 0.3), (100, 0.5), (150, 0.55)], 0.55),
+        _acc_row("powersgd", 1, [(50, 0.3), (100, 0.6), (150, 0.57)], 0.57),
+        _acc_row("topk", 0, [(50, 0.1), (100, 0.2), (150, 0.3)], 0.3),
+        _acc_row("topk", 1, [(50, 0.1), (100, 0.2), (150, 0.3)], 0.3),
+        # seed 1 did not validate at step 100: only the steps both seeds validated count
+        _acc_row("lgc", 0, [(50, 0.5), (100, 0.56), (150, 0.6)], 0.6),
+        _acc_row("lgc", 1, [(50, 0.5), (150, 0.6)], 0.6),
+        {**_acc_row("iwp", 0, [(50, 0.9)], 0.9), "status": "failed (exit 1)"},  # failed runs are left out
+    ]
+    link_rows = [{"hosts": 2, "rate": "100mbit", "model": "resnet18", "codec": c, "step_s": t}
+                 for c, t in (("floor", 1.0), ("none", 4.0), ("powersgd", 1.2), ("topk", 1.3), ("lgc", 1.25))]
+    link_rows += [{"hosts": 2, "rate": "10mbit", "model": "resnet18", "codec": c, "step_s": t}
+                  for c, t in (("none", 40.0), ("powersgd", 1.5), ("topk", 1.6))]
+    link_rows += [{"hosts": 4, "rate": "100mbit", "model": "resnet18", "codec": c, "step_s": 9.0}
+                  for c in ("none", "powersgd", "lgc")]
+    return ({"meta": {}, "rows": rows},
+            {"meta": {"model": "resnet18", "batch_size": 32}, "rows": link_rows})
+
+
+def test_tta_steps_and_seconds_to_none_final_accuracy():
+    acc, link_data = _tta_inputs()
+    result = tta.compute(acc, link_data, ["100mbit", "10mbit"], hosts=2)
+    meta = result["meta"]
+    assert meta["target"] == pytest.approx(0.55) and meta["none_seeds"] == [0, 1]
+    got = {(r["codec"], r["rate"]): r for r in result["rows"]}
+    assert set(got) == {(c, r) for c in ("none", "powersgd", "topk", "lgc") for r in ("100mbit", "10mbit")}
+    # none: means 0.25, 0.4, 0.55 reach its own final mean at 150; powersgd: 0.55 at 100, exactly the target
+    assert got["none", "100mbit"]["steps_to_target"] == 150 and got["none", "100mbit"]["tta_s"] == pytest.approx(600)
+    assert got["powersgd", "100mbit"]["steps_to_target"] == 100
+    assert got["powersgd", "100mbit"]["tta_s"] == pytest.approx(120)
+    assert got["powersgd", "100mbit"]["speedup_vs_none"] == pytest.approx(5.0)
+    assert got["powersgd", "100mbit"]["speedup_vs_powersgd"] == pytest.approx(1.0)
+    # lgc: step 100 is not common to both seeds, so its first point at the target is 150
+    assert got["lgc", "100mbit"]["steps_to_target"] == 150 and got["lgc", "100mbit"]["tta_s"] == pytest.approx(187.5)
+    assert got["lgc", "100mbit"]["speedup_vs_powersgd"] == pytest.approx(120 / 187.5)
+    assert result["curves"]["lgc"] == [{"step": 50, "mean": 0.5, "min": 0.5, "max": 0.5},
+                                       {"step": 150, "mean": 0.6, "min": 0.6, "max": 0.6}]
+    # topk never gets there; the step time is still reported
+    topk = got["topk", "100mbit"]
+    assert topk["steps_to_target"] is None and topk["steps_text"] == "not reached" and topk["tta_s"] is None
+    assert topk["step_s"] == 1.3 and topk["speedup_vs_none"] is None
+    # 10 Mbit/s: no link row for lgc
+    assert got["none", "10mbit"]["tta_s"] == pytest.approx(6000)
+    assert got["powersgd", "10mbit"]["tta_s"] == pytest.approx(150)
+    assert got["powersgd", "10mbit"]["speedup_vs_none"] == pytest.approx(40.0)
+    assert got["lgc", "10mbit"]["steps_to_target"] == 150 and got["lgc", "10mbit"]["tta_s"] is None
+    assert "no link row" in got["lgc", "10mbit"]["note"]
+    # both measurements and their differences are on record
+    assert (meta["accuracy_model"], meta["accuracy_batch_size"], meta["link_model"], meta["link_batch_size"]) == (
+        "resnet10", 64, "resnet18", 32)
+    assert any("model differs" in w for w in meta["warnings"]) and any("batch" in w for w in meta["warnings"])
+    assert "two separate measurements" in meta["caption"] and "0.5500" in meta["caption"]
+
+
+def test_tta_target_drop_hosts_and_missing_none():
+    acc, link_data = _tta_inputs()
+    result = tta.compute(acc, link_data, ["100mbit"], hosts=4, target_drop=0.2)
+    got = {r["codec"]: r for r in result["rows"]}
+    assert result["meta"]["target"] == pytest.approx(0.35)
+    assert got["none"]["steps_to_target"] == 100 and got["none"]["tta_s"] == pytest.approx(900)  # 4 hosts: 9 s
+    assert got["topk"]["steps_to_target"] is None and got["topk"]["step_s"] is None
+    assert got["powersgd"]["steps_to_target"] == 100
+    acc["rows"] = [r for r in acc["rows"] if r["codec"] != "none"]
+    with pytest.raises(ValueError, match="no run of 'none'"):
+        tta.compute(acc, link_data, ["100mbit"])
+
+
+def test_tta_command_writes_json_csv_and_table(tmp_path, capsys):
+    acc, link_data = _tta_inputs()
+    (tmp_path / "acc.json").write_text(json.dumps(acc))
+    (tmp_path / "link.json").write_text(json.dumps(link_data))
+    out = tmp_path / "tta"
+    rc = bench_main(["tta", "--accuracy", str(tmp_path / "acc.json"), "--link", str(tmp_path / "link.json"),
+                     "--rates", "100mbit,10mbit", "--out", str(out)])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "two separate measurements" in captured.out and "not reached" in captured.out
+    assert "x vs powersgd" in captured.out and "model differs" in captured.err
+    data = json.loads((out / "tta.json").read_text())
+    assert data["meta"]["argv"][0] == "tta" and len(data["rows"]) == 8
+    with (out / "tta.csv").open() as f:
+        lines = list(csv.DictReader(f))
+    assert lines[1]["codec"] == "powersgd" and float(lines[1]["tta_s"]) == pytest.approx(120)
+
+
+def test_plot_draws_accuracy_against_time_and_tta_tables(tmp_path):
+    acc, link_data = _tta_inputs()
+    res = tmp_path / "results"
+    (res / "accuracy").mkdir(parents=True)
+    (res / "link").mkdir()
+    for r in acc["rows"]:
+        r["bytes_sent"] = 1e9
+    (res / "accuracy" / "accuracy.json").write_text(json.dumps({"meta": {"max_epochs": 1, "seeds": [0, 1],
+                                                                          "devices": 2}, "rows": acc["rows"]}))
+    (res / "link" / "link.json").write_text(json.dumps(link_data))
+    md = tmp_path / "docs" / "benchmarks.md"
+    figures = tmp_path / "docs" / "figures"
+    assert bench_main(["plot", "--results", str(res), "--figures", str(figures), "--markdown", str(md)]) == 0
+    assert (figures / "accuracy_vs_time_100mbit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = md.read_text()
+    assert "## Time to accuracy on a slow link" in text and "two separate measurements" in text
+    assert "| powersgd | 100mbit | 0.5600 | 100 | 1.200 | 120 | 5.00 | 1.00 |" in text
+    assert "| topk | 100mbit | 0.3000 | not reached |" in text
+    assert "](figures/accuracy_vs_time_100mbit.png)" in text
+    assert "| task | codec | budget | seeds |" in text
+    assert "| cifar10 | none | 1 epoch | 0,1 | val/acc | 0.5500 | 0.1000 |" in text
+    assert text.count("![accuracy](") == 1  # the time figure is not listed with the bytes figures
+
+
+# --------------------------------------------------------------------------------------------------
+# what the recipes record
+def test_validation_history_records_rank_zero_points_and_report_adds_them():
+    from lightning.pytorch.callbacks import Callback
+
+    history = cli.ValidationHistory("val/acc")
+    assert isinstance(history, Callback) and isinstance(history, cli.ValidationHistory)
+    trainer = SimpleNamespace(sanity_checking=False, is_global_zero=True, global_step=50,
+                              callback_metrics={"val/acc": 0.25})
+    history.on_validation_end(trainer, None)
+    trainer.global_step, trainer.callback_metrics = 100, {"val/acc": 0.5}
+    history.on_validation_end(trainer, None)
+    trainer.callback_metrics = {"val/acc": 0.52}  # the recipe's extra validation at the same step
+    history.on_validation_end(trainer, None)
+    history.on_validation_end(SimpleNamespace(**{**vars(trainer), "is_global_zero": False, "global_step": 150}), None)
+    history.on_validation_end(SimpleNamespace(**{**vars(trainer), "sanity_checking": True, "global_step": 0}), None)
+    assert history.history == [{"step": 50, "metric": 0.25}, {"step": 100, "metric": 0.52}]
+    resumed = cli.ValidationHistory("val/acc")
+    resumed.load_state_dict(history.state_dict())
+    assert resumed.history == history.history
+    fake = SimpleNamespace(strategy=SimpleNamespace(hook_state=None), world_size=2, global_step=100,
+                           callbacks=[history])
+    args = SimpleNamespace(codec="none", codec_options={}, seed=1, batch_size=32)
+    result = cli.report(fake, args, "r", {"val/acc": 0.52}, 1.0)
+    assert result["history"] == history.history and result["seed"] == 1 and result["batch_size"] == 32
+    assert "history" not in cli.report(SimpleNamespace(**{**vars(fake), "callbacks": []}), args, "r", {}, 1.0)
+
+
+def test_val_every_n_steps_builds_a_trainer_that_validates_across_epochs(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("recipe_resnet_cifar10", ROOT / "recipes" / "resnet_cifar10.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    args = recipe.parse_args(["--codec", "none", "--max-epochs", "1", "--val-every-n-steps", "50",
+                              "--log-dir", str(tmp_path)])
+    assert args.val_every_n_steps == 50
+    trainer = cli.build_trainer(args, "t", history_metric="val/acc", devices=1, strategy="auto")
+    assert trainer.val_check_interval == 50 and trainer.check_val_every_n_epoch is None
+    assert any(isinstance(cb, cli.ValidationHistory) for cb in trainer.callbacks)
+    plain = cli.build_trainer(recipe.parse_args(["--codec", "none", "--log-dir", str(tmp_path)]), "t", devices=1,
+                              strategy="auto")
+    assert plain.val_check_interval == 1.0 and plain.check_val_every_n_epoch == 1
+    assert not any(isinstance(cb, cli.ValidationHistory) for cb in plain.callbacks)

@@ -18,7 +18,7 @@ from lightning_gradcomp.registry import make_codec
 def fitted_codec(world: int = 1, n: int = 2000, steps: int = 3, **opts) -> tuple[GradiVeQCodec, torch.Generator]:
     """A codec fitted on low-rank-plus-noise 'gradients' of one layer called 'w'."""
     opts = {"slice_dim": 8, "num_components": 3, "warmup_steps": steps, "refresh_every": 0, "min_numel": 0, "quant_levels": 0, **opts}
-    codec = make_codec("gradiveq", **opts)
+    codec = make_codec("gradiveq", **{"basis_source": "aggregate", **opts})
     codec.setup(CodecContext(0, world, torch.device("cpu")))
     g = torch.Generator().manual_seed(0)
     for step in range(steps):
@@ -50,7 +50,7 @@ def fitted_codec(world: int = 1, n: int = 2000, steps: int = 3, **opts) -> tuple
 )
 def test_bad_options_raise_naming_the_option(opts, name):
     with pytest.raises(ValueError, match=name):
-        make_codec("gradiveq", **opts)
+        make_codec("gradiveq", **{"basis_source": "aggregate", **opts})
 
 
 def test_quant_levels_too_large_for_the_world_raise_at_setup():
@@ -94,7 +94,7 @@ def test_fit_pca_is_orthonormal_signed_deterministic_and_exact_on_low_rank_data(
 
 
 def test_schedule_windows_and_refits():
-    codec = make_codec("gradiveq", slice_dim=4, num_components=2, warmup_steps=3, refresh_every=4, refresh_window=2, min_numel=0)
+    codec = make_codec("gradiveq", basis_source="aggregate", slice_dim=4, num_components=2, warmup_steps=3, refresh_every=4, refresh_window=2, min_numel=0)
     phases = [codec.phase_at(s) for s in range(12)]
     assert phases == ["warmup"] * 3 + ["compress"] * 4 + ["refresh"] * 2 + ["compress"] * 3
     assert not codec.is_compressing(3)  # never before a basis exists
@@ -111,7 +111,7 @@ def test_schedule_windows_and_refits():
 
 
 def test_bounded_sample():
-    codec = make_codec("gradiveq", slice_dim=8, num_components=2, warmup_steps=4, max_samples=100, min_numel=0)
+    codec = make_codec("gradiveq", basis_source="aggregate", slice_dim=8, num_components=2, warmup_steps=4, max_samples=100, min_numel=0)
     g = torch.Generator().manual_seed(0)
     for step in [0, 1, 2, 3, 0, 1, 2]:  # more rows than max_samples arrive: 25 a step
         codec.observe_dense("w", torch.randn(8 * 1000, generator=g), step)
@@ -195,7 +195,7 @@ def test_state_dict_round_trip_through_weights_only_load():
     assert fresh.basis_digest() == codec.basis_digest() and fresh.fits == 1
     x = torch.randn(8 * 20 + 1, generator=g)
     assert torch.equal(fresh.encode(x, "w", None, 9).payload[0], codec.encode(x, "w", None, 9).payload[0])
-    other = make_codec("gradiveq", slice_dim=16)
+    other = make_codec("gradiveq", basis_source="aggregate", slice_dim=16)
     with pytest.raises(ValueError, match="slice_dim"):
         other.load_state_dict(state)
 
@@ -222,7 +222,7 @@ def ddp_run(rank: int, world: int, steps: int, **opts):
     model = make_model()
     ref = make_model()  # same weights, no DDP: this rank's own gradient
     ddp = DDP(model)
-    state, hook = make_comm_hook("gradiveq", ddp, warmup_steps=WARMUP, refresh_every=0, min_numel=1000, **opts)
+    state, hook = make_comm_hook("gradiveq", ddp, basis_source="aggregate", warmup_steps=WARMUP, refresh_every=0, min_numel=1000, dense_layers="none", **opts)
     ddp.register_comm_hook(state, hook)
     codec = state.codec
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -323,7 +323,7 @@ def test_two_ranks_sum_codes_in_the_all_reduce():
             assert expect == 4 * ((3300 // 8) * 2 + 4 + (1100 // 8) * 2 + 4 + dense + 1)
     assert r0["q"]["payload"][-1] < r0["k4"]["payload"][-1] / 3  # 7 levels: 4 codes in a word
     # (4) the state dict restores the basis
-    fresh = make_codec("gradiveq", slice_dim=8, num_components=8, center=True, quant_levels=0)
+    fresh = make_codec("gradiveq", basis_source="aggregate", slice_dim=8, num_components=8, center=True, quant_levels=0)
     fresh.load_state_dict(r0["kd"]["state_dict"])
     assert fresh.basis_digest() == r1["kd"]["digest"]
     # (5) bases fitted from different data on the two ranks are detected on both
@@ -332,7 +332,7 @@ def test_two_ranks_sum_codes_in_the_all_reduce():
 
 def _mismatch(rank: int, world: int) -> str:
     """Bases fitted on different data on each rank must be caught by the digest check."""
-    codec = make_codec("gradiveq", slice_dim=4, num_components=2, warmup_steps=1, min_numel=0)
+    codec = make_codec("gradiveq", basis_source="aggregate", slice_dim=4, num_components=2, warmup_steps=1, min_numel=0)
     codec.setup(CodecContext(rank, world, torch.device("cpu")))
     codec.observe_dense("w", torch.randn(64, generator=torch.Generator().manual_seed(rank)), 0)
     try:
@@ -371,7 +371,7 @@ def test_lightning_pca_warmup_schedule_logging_and_checkpoint(tmp_path):
     from lightning_gradcomp.callbacks import PCAWarmup
 
     strategy = CompressedDDPStrategy(
-        codec="gradiveq", codec_options={"slice_dim": 8, "num_components": 2, "min_numel": 1000}, start_method="spawn"
+        codec="gradiveq", codec_options={"basis_source": "aggregate", "slice_dim": 8, "num_components": 2, "min_numel": 1000, "dense_layers": "none"}, start_method="spawn"
     )
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -403,6 +403,58 @@ def test_lightning_pca_warmup_schedule_logging_and_checkpoint(tmp_path):
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["gradcomp"]["shared"]["codec"]
     assert saved["fits"] == 2 and saved["last_fit_step"] == 7
     assert set(saved["bases"]) == {"net.0.weight", "net.2.weight"}
-    fresh = make_codec("gradiveq", slice_dim=8, num_components=2)
+    fresh = make_codec("gradiveq", basis_source="aggregate", slice_dim=8, num_components=2)
     fresh.load_state_dict(saved)
     assert fresh.fitted and fresh.k == 2
+
+
+# --------------------------------------------------------------------------------------------------
+# the default source: the leader fits each step's bases on its compensated gradient, broadcasts them
+def _leader_run(rank: int, world: int, steps: int) -> dict:
+    model = make_model()
+    ddp = DDP(model)
+    state, hook = make_comm_hook("gradiveq", ddp, slice_dim=8, num_components=2, quant_levels=0, min_numel=1000, dense_layers="none")
+    ddp.register_comm_hook(state, hook)
+    codec = state.codec
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(20 + rank)
+    sent_sum = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in model.named_parameters()}
+    grad_sum = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in model.named_parameters()}
+    rows = []
+    for step in range(steps):
+        x, y = torch.randn(16, LAYERS[0], generator=g), torch.randint(0, 10, (16,), generator=g)
+        opt.zero_grad()
+        ref = make_model()
+        ref.load_state_dict(model.state_dict())
+        mine = local_grads(ref, x, y)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        st = state.stats.pop()
+        bases = {k: v.clone() for k, v in codec.state_dict()["bases"].items()}
+        for n, p in model.named_parameters():
+            grad_sum[n] += mine[n].double()
+            sent_sum[n] += p.grad.reshape(-1).double()  # the mean of what every rank sent
+        rows.append({"compressing": state.compressing(step), "payload": st.payload_bytes, "bases": bases})
+        opt.step()
+    residual = {k: v.double().clone() for k, v in state.memory.residuals.items()}
+    return {"rows": rows, "grad_sum": grad_sum, "sent_sum": sent_sum, "residual": residual}
+
+
+def test_leader_bases_are_broadcast_and_error_feedback_conserves_the_gradient():
+    steps = 6
+    r0, r1 = run_gloo(_leader_run, 2, args=(steps,))
+    # compression starts as soon as DDP allows, with no uncompressed warm-up
+    assert [r["compressing"] for r in r0["rows"]] == [False, False] + [True] * (steps - 2)
+    for a, b in zip(r0["rows"], r1["rows"]):
+        assert a["bases"].keys() == b["bases"].keys()
+        for k in a["bases"]:  # the leader's bases, identical on both ranks, refitted every step
+            assert torch.equal(a["bases"][k], b["bases"][k])
+    fitted = [r["bases"]["0.weight"] for r in r0["rows"] if r["compressing"]]
+    assert all(not torch.equal(u, fitted[0]) for u in fitted[1:])
+    # error feedback loses nothing: mean sent + mean residual = mean gradient, summed over the run
+    for n in r0["grad_sum"]:
+        if n not in r0["residual"]:
+            continue
+        mean_grad = (r0["grad_sum"][n] + r1["grad_sum"][n]) / 2
+        mean_res = (r0["residual"][n] + r1["residual"][n]) / 2
+        assert torch.allclose(r0["sent_sum"][n] + mean_res, mean_grad, atol=1e-5), n
+        assert float(mean_res.abs().max()) > 1e-4  # something really was held back

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gradcomp.codecs.lgc import MIN_AE_LEN, GradientAutoencoder, LGCCodec
+from lightning_gradcomp.codecs.positions import choose_encoding, encoded_nbytes
 from lightning_gradcomp.registry import make_codec
 
 from dist_utils import run_gloo
@@ -26,6 +27,7 @@ OPTS = dict(
     ae_epochs=3,
     min_numel=1000,
     max_recon_error=100.0,  # every layer uses the AE, whatever it learned from a few random batches
+    dense_layers="none",  # a three-layer model: the default would keep its first and last layer dense
 )
 
 
@@ -42,7 +44,8 @@ def _mlp() -> nn.Module:
         (dict(variant="tree"), "variant must be one of"),
         (dict(ratio=0.0), "ratio must be in"),
         (dict(ratio=0.01, innovation_ratio=0.02), "innovation_ratio must be below ratio"),
-        (dict(ae_train_steps=0), "ae_train_steps must be an integer >= 1"),
+        (dict(ae_train_steps=0), "ae_train_steps must be >= 1 step"),
+            (dict(ae_train_steps=1.5), "ae_train_steps must be an integer >= 0 .steps. or a float in .0, 1."),
         (dict(warmup_steps=-1), "warmup_steps must be an integer >= 0"),
         (dict(latent_channels=0), "latent_channels"),
         (dict(ae_lr=0.0), "ae_lr must be a positive number"),
@@ -165,9 +168,10 @@ def _expected_wire(stage: int, variant: str, world: int) -> float:
     sizes = [p.numel() for p in _mlp().parameters() if p.numel() >= 1000]
     dense = sum(p.numel() for p in _mlp().parameters() if p.numel() < 1000) + 1  # + the non-finite flag
     ks = [math.ceil(RATIO * n) for n in sizes]
-    if stage == 2:  # indices broadcast; values all-gathered
-        return 4 * sum(ks) + (world - 1) * 4 * (sum(ks) + dense)
-    bcast = 4 * (sum(ks) + len(ks))  # indices and one scale per layer
+    codes = sum(encoded_nbytes(choose_encoding("auto", k, n), k, n) for k, n in zip(ks, sizes))
+    if stage == 2:  # positions broadcast as a compact code; values all-gathered
+        return codes + (world - 1) * 4 * (sum(ks) + dense)
+    bcast = codes + 4 * len(ks)  # positions and one scale per layer
     lat = [LATENT * GradientAutoencoder.latent_len(k) for k in ks]
     if variant == "rar":  # latents summed in the ring all-reduce
         return bcast + 2 * (world - 1) / world * 4 * (sum(lat) + dense)
@@ -255,7 +259,9 @@ def test_lightning_run_logs_stages_and_resume_restores_autoencoder(tmp_path):
 
     def trainer(max_steps: int, tag: str) -> Trainer:
         strategy = CompressedDDPStrategy(
-            codec="lgc", codec_options=dict(ratio=RATIO, min_numel=1000, ae_epochs=2, max_recon_error=100.0), start_method="spawn"
+            codec="lgc",
+            codec_options=dict(ratio=RATIO, min_numel=1000, ae_epochs=2, max_recon_error=100.0, dense_layers="none"),
+            start_method="spawn",
         )
         return Trainer(
             accelerator="cpu",
@@ -286,3 +292,44 @@ def test_lightning_run_logs_stages_and_resume_restores_autoencoder(tmp_path):
     assert len(end_a) == 1, "ranks ended the first run with different autoencoders"
     assert {s[0] for s in start_b} == end_a and all(s[1] == "1" for s in start_b)
     assert all(s[2] == "9" for s in start_b)  # the step counter resumed too
+
+
+# --------------------------------------------------------------------------------------------------
+# rel_error reports what was really sent, the autoencoder's error included
+def _stage3_error_and_residual(rank: int, world: int, ae_error_feedback: bool) -> list[tuple[int, float, float]]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_gradcomp.api import make_comm_hook
+
+    torch.manual_seed(0)
+    model = _mlp()
+    ddp = DDP(model)
+    state, hook = make_comm_hook("lgc", ddp, stats_every=1, ae_error_feedback=ae_error_feedback, **OPTS)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(7 + rank)
+    out = []
+    for step in range(WARMUP + AE_STEPS + 2):
+        x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        st = state.stats.pop()
+        residual_sq = sum(float(r.double().pow(2).sum()) for r in state.memory.residuals.values())
+        out.append((state.codec.stage(step), st.err_sq, residual_sq))
+        opt.step()
+    return out
+
+
+@pytest.mark.parametrize("ae_error_feedback", [True, False])
+def test_rel_error_includes_the_autoencoder_error(ae_error_feedback):
+    rows = run_gloo(_stage3_error_and_residual, world_size=2, args=(ae_error_feedback,), timeout=300)[0]
+    stage2 = [r for r in rows if r[0] == 2]
+    stage3 = [r for r in rows if r[0] == 3]
+    assert stage2 and stage3
+    for _, err_sq, residual_sq in stage2:  # exact values on the support: the error is what stays behind
+        assert err_sq == pytest.approx(residual_sq, rel=1e-6)
+    for _, err_sq, residual_sq in stage3:
+        if ae_error_feedback:  # the residual keeps the AE's error, so it is exactly what was not sent
+            assert err_sq == pytest.approx(residual_sq, rel=1e-6)
+        else:  # the residual keeps only what is off the support; the statistic adds the AE's error
+            assert err_sq > 1.01 * residual_sq

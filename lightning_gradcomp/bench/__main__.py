@@ -1,4 +1,4 @@
-"""``python -m lightning_gradcomp.bench {link,codecs,accuracy,plot} [options]``."""
+"""``python -m lightning_gradcomp.bench {link,codecs,accuracy,tta,plot} [options]``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import sys
 COMMANDS = {
     "link": "step time over a real shaped network (namespaces + tc), every codec against the floor",
     "codecs": "encode + decode cost of each codec on real gradients, one process",
-    "accuracy": "task metric against bytes sent: the recipes with a fixed budget per codec",
+    "accuracy": "task metric against bytes sent: the recipes with a fixed budget per codec and seed",
+    "tta": "time to accuracy on a slow link: accuracy runs' steps to target x link runs' step time",
     "plot": "figures and docs/benchmarks.md tables from the JSON results",
 }
 

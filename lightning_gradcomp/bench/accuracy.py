@@ -1,11 +1,22 @@
-"""``accuracy``: task metric against bytes sent, for a fixed short training budget per codec.
+"""``accuracy``: task metric against bytes sent, for a fixed training budget per codec and seed.
 
 Runs the project's recipes as they are (``recipes/resnet_cifar10.py`` on CIFAR-10,
-``recipes/pspnet_camvid.py`` on CamVid) as subprocesses, one per codec, each with
-``--codec NAME --devices 2 --accelerator cpu --max-steps N --metrics-json PATH --data-dir DIR
---no-fallback``,
-and collects the final metrics each writes: the task metric (top-1 accuracy, mean IoU), the total
-bytes the gradients sent, and the compression ratio. Nothing of the recipes is re-implemented here.
+``recipes/pspnet_camvid.py`` on CamVid) as subprocesses, one per (task, codec, seed), each with
+``--codec NAME --devices 2 --accelerator cpu --seed S --max-steps N`` (or ``--max-epochs N``)
+``--metrics-json PATH --data-dir DIR --no-fallback``, and collects what each writes: the task
+metric (top-1 accuracy, mean IoU), the total bytes the gradients sent, the compression ratio over
+the whole run and at its last step, and the validation history (metric at the step of every
+validation, the input of ``tta``). Nothing of the recipes is re-implemented here.
+
+Every finished run is saved at once to ``OUT/accuracy.json`` and ``OUT/accuracy.csv``; its
+metrics and log are ``OUT/runs/<task>-<codec>-seed<S>.{json,log}``. With ``--resume`` a run that
+was stopped goes on where it stopped: each configuration (task, codec label, seed, budget,
+``--recipe-args``, codec options, devices) already in ``OUT/accuracy.json`` with status ``ok`` is
+skipped and its row kept; failed ones run again; rows of other configurations stay in the file.
+Without ``--resume`` the file is written anew.
+
+The summary gives per (task, codec, configuration) the mean of the metric over the seeds and its
+spread (max - min), the steps, and the mean compression ratios.
 """
 
 from __future__ import annotations
@@ -21,7 +32,22 @@ from typing import Any
 
 from lightning_gradcomp.bench.results import Column, format_table, machine_info, write_csv, write_json
 
-__all__ = ["COLUMNS", "TASKS", "add_arguments", "extract_metrics", "main"]
+__all__ = [
+    "COLUMNS",
+    "DEFAULT_MAX_STEPS",
+    "SUMMARY_COLUMNS",
+    "TASKS",
+    "add_arguments",
+    "budget_label",
+    "config_key",
+    "extract_history",
+    "extract_metrics",
+    "fill_older_rows",
+    "main",
+    "recipe_option",
+    "run_recipe",
+    "summarize",
+]
 
 #: task -> (recipe script relative to the recipes directory, metric keys tried in order)
 TASKS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -31,16 +57,36 @@ TASKS: dict[str, tuple[str, tuple[str, ...]]] = {
 BYTES_KEYS = ("bytes_sent", "total_bytes_sent", "bytes_sent_total", "gradcomp/bytes_sent_total", "wire_bytes")
 RATIO_KEYS = ("compression_ratio", "gradcomp/compression_ratio", "ratio")
 
+#: the step budget when neither --max-steps nor --max-epochs is given
+DEFAULT_MAX_STEPS = 300
+
 COLUMNS = [
     Column("task", "task"),
     Column("codec", "codec"),
+    Column("seed", "seed"),
     Column("metric_name", "metric"),
     Column("metric", "value", "{:.4f}"),
     Column("gb_sent", "GB sent", "{:.3f}"),
-    Column("compression_ratio", "ratio", "{:.1f}"),
+    Column("compression_ratio_last", "ratio last", "{:.1f}"),
+    Column("compression_ratio", "ratio run", "{:.1f}"),
     Column("steps", "steps"),
     Column("wall_s", "wall s", "{:.0f}"),
     Column("status", "status"),
+]
+
+#: one line per (task, codec, configuration): the seeds' mean and spread
+SUMMARY_COLUMNS = [
+    Column("task", "task"),
+    Column("codec", "codec"),
+    Column("budget", "budget"),
+    Column("seeds", "seeds"),
+    Column("metric_name", "metric"),
+    Column("metric_mean", "mean", "{:.4f}"),
+    Column("metric_spread", "max-min", "{:.4f}"),
+    Column("steps", "steps", "{:.0f}"),
+    Column("compression_ratio_last", "ratio last", "{:.1f}"),
+    Column("compression_ratio", "ratio run", "{:.1f}"),
+    Column("gb_sent", "GB sent", "{:.3f}"),
 ]
 
 
@@ -54,7 +100,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--codec-options", default="{}", help='JSON {"codec": {option: value}} passed to the recipe per codec'
     )
     p.add_argument("--tasks", default="cifar10,camvid", help=f"comma list of {', '.join(TASKS)}")
-    p.add_argument("--max-steps", type=int, default=300, help="optimizer steps per run (the fixed budget)")
+    p.add_argument("--seeds", default="0", help="comma list of seeds, one run per seed (passed as --seed)")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help=f"optimizer steps per run, the fixed budget (default {DEFAULT_MAX_STEPS} without --max-epochs)",
+    )
+    p.add_argument("--max-epochs", type=int, default=None, help="epochs per run, instead of (or with) --max-steps")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--recipes-dir", default="recipes")
     p.add_argument("--cifar-data-dir", default="../shared/data/cifar10-jpeg.tar.gz")
@@ -63,6 +116,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metric-key", default=None, help="key of the task metric in the recipe's JSON (default: guessed)")
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per recipe run")
     p.add_argument("--python", default=sys.executable)
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep OUT/accuracy.json: skip the configurations it holds with status ok, run the failed and missing ones",
+    )
     p.add_argument("--out", default="bench_results/accuracy")
 
 
@@ -85,6 +143,7 @@ def extract_metrics(data: dict[str, Any], task: str, metric_key: str | None = No
         name = data["metric_name"]
     _, sent = _pick(data, BYTES_KEYS)
     _, ratio = _pick(data, RATIO_KEYS)
+    _, ratio_last = _pick(data, ("compression_ratio_last",))
     _, steps = _pick(data, ("global_step", "steps", "step", "max_steps"))
     return {
         "metric_name": name,
@@ -92,17 +151,76 @@ def extract_metrics(data: dict[str, Any], task: str, metric_key: str | None = No
         "bytes_sent": sent,
         "gb_sent": None if sent is None else sent / 1e9,
         "compression_ratio": ratio,
+        "compression_ratio_last": ratio_last,
         "steps": steps,
     }
 
 
-def run_recipe(task: str, codec: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def extract_history(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The recipe's validation history, ``[{"step": int, "metric": float}, ...]`` by step; of two
+    points at one step the later one counts. Empty when the recipe records none."""
+    points: dict[int, float] = {}
+    for p in data.get("history") or []:
+        if isinstance(p, dict) and all(isinstance(p.get(k), (int, float)) for k in ("step", "metric")):
+            points[int(p["step"])] = float(p["metric"])
+    return [{"step": k, "metric": points[k]} for k in sorted(points)]
+
+
+def recipe_option(argv: list[str], name: str) -> str | None:
+    """The value of ``name`` in an argument list (``--model x`` or ``--model=x``), the last one wins."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def _int_or_text(value: str | None) -> int | str | None:
+    return int(value) if value is not None and value.isdigit() else value
+
+
+def _budget(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """(max_steps, max_epochs) of each run: as given, or the default step budget when neither is."""
+    if args.max_steps is None and args.max_epochs is None:
+        return DEFAULT_MAX_STEPS, None
+    return args.max_steps, args.max_epochs
+
+
+def _codec_options(args: argparse.Namespace, codec: str) -> dict[str, Any]:
+    all_options = json.loads(args.codec_options)
+    return all_options.get(codec, all_options.get(codec.split("@", 1)[0])) or {}
+
+
+def config_key(row: dict[str, Any]) -> tuple:
+    """What makes two runs the same configuration: task, codec label, seed, budget, recipe
+    arguments, codec options and devices. A row made by an older version without these fields
+    matches none of today's runs."""
+    return (
+        row.get("task"),
+        row.get("codec"),
+        row.get("seed"),
+        row.get("max_steps"),
+        row.get("max_epochs"),
+        row.get("recipe_args"),
+        json.dumps(row.get("codec_options"), sort_keys=True),
+        row.get("devices"),
+    )
+
+
+def run_recipe(task: str, codec: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """One recipe run as a subprocess; its row, with the configuration that :func:`config_key` reads."""
     script = Path(args.recipes_dir) / TASKS[task][0]
     data_dir = args.cifar_data_dir if task == "cifar10" else args.camvid_data_dir
-    metrics = out / "runs" / f"{task}-{codec}.json"
+    name = f"{task}-{codec}-seed{seed}"
+    metrics = out / "runs" / f"{name}.json"
     metrics.parent.mkdir(parents=True, exist_ok=True)
     if metrics.exists():
         metrics.unlink()
+    max_steps, max_epochs = _budget(args)
+    options = _codec_options(args, codec)
+    recipe_args = shlex.split(args.recipe_args)
     cmd = [
         args.python,
         str(script),
@@ -112,8 +230,14 @@ def run_recipe(task: str, codec: str, args: argparse.Namespace, out: Path) -> di
         str(args.devices),
         "--accelerator",
         "cpu",
-        "--max-steps",
-        str(args.max_steps),
+        "--seed",
+        str(seed),
+    ]
+    if max_steps is not None:
+        cmd += ["--max-steps", str(max_steps)]
+    if max_epochs is not None:
+        cmd += ["--max-epochs", str(max_epochs)]
+    cmd += [
         "--metrics-json",
         str(metrics),
         "--data-dir",
@@ -122,17 +246,27 @@ def run_recipe(task: str, codec: str, args: argparse.Namespace, out: Path) -> di
         # would otherwise send plain all-reduce and every codec would train uncompressed
         "--no-fallback",
     ]
-    all_options = json.loads(args.codec_options)
-    options = all_options.get(codec, all_options.get(codec.split("@", 1)[0]))
     if options:
         cmd += ["--codec-options", json.dumps(options)]
-    cmd += shlex.split(args.recipe_args)
-    row: dict[str, Any] = {"task": task, "codec": codec, "command": shlex.join(cmd)}
+    cmd += recipe_args
+    row: dict[str, Any] = {
+        "task": task,
+        "codec": codec,
+        "seed": seed,
+        "max_steps": max_steps,
+        "max_epochs": max_epochs,
+        "recipe_args": shlex.join(recipe_args),
+        "codec_options": options,
+        "devices": args.devices,
+        "model": recipe_option(recipe_args, "--model"),
+        "batch_size": _int_or_text(recipe_option(recipe_args, "--batch-size")),
+        "command": shlex.join(cmd),
+    }
     if not script.exists():
         row["status"] = f"missing recipe {script}"
         return row
     t0 = time.perf_counter()
-    log = out / "runs" / f"{task}-{codec}.log"
+    log = out / "runs" / f"{name}.log"
     with log.open("w") as f:
         try:
             proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, check=False)
@@ -145,9 +279,72 @@ def run_recipe(task: str, codec: str, args: argparse.Namespace, out: Path) -> di
         return row
     data = json.loads(metrics.read_text())
     row.update(extract_metrics(data, task, args.metric_key))
-    row["raw"] = data
+    row["history"] = extract_history(data)
+    # what the recipe itself reports wins over what its arguments say (its defaults are not in them)
+    row["model"] = data.get("model", row["model"])
+    row["batch_size"] = data.get("batch_size", row["batch_size"])
+    row["raw"] = {k: v for k, v in data.items() if k != "history"}
     row["status"] = "ok" if row["metric"] is not None else "no task metric in JSON"
     return row
+
+
+def fill_older_rows(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows written before each row recorded its seed and budget, completed: seed 0 (the recipes'
+    default, which those runs used) and the budget of the results' ``meta``. Other rows unchanged."""
+    budget = {"max_steps": meta.get("max_steps"), "max_epochs": meta.get("max_epochs")}
+    return [r if "seed" in r else {"seed": 0, **budget, **r} for r in rows]
+
+
+def budget_label(row: dict[str, Any]) -> str:
+    """``"1 epoch"``, ``"300 steps"`` or ``"2 epochs or 500 steps"`` (whichever ends first), from a
+    row or the results' meta."""
+    parts = []
+    if row.get("max_epochs") is not None:
+        parts.append(f"{row['max_epochs']} epoch" + ("s" if row["max_epochs"] != 1 else ""))
+    if row.get("max_steps") is not None:
+        parts.append(f"{row['max_steps']} steps")
+    return " or ".join(parts) or "-"
+
+
+def _mean(values: list[Any]) -> float | None:
+    values = [v for v in values if isinstance(v, (int, float))]
+    return sum(values) / len(values) if values else None
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per (task, codec, configuration but the seed), in the order rows first show it, over
+    its runs with status ok: the metric's mean, min, max and spread (max - min) across seeds, and
+    the mean steps, bytes and compression ratios (whole run and last step)."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        key = config_key(r)
+        groups.setdefault(key[:2] + key[3:], []).append(r)
+    out = []
+    for rs in groups.values():
+        ok = [r for r in rs if r.get("status", "ok") == "ok" and r.get("metric") is not None]
+        values = [r["metric"] for r in ok]
+        out.append(
+            {
+                "task": rs[0].get("task"),
+                "codec": rs[0].get("codec"),
+                "budget": budget_label(rs[0]),
+                "recipe_args": rs[0].get("recipe_args"),
+                "codec_options": rs[0].get("codec_options"),
+                "seeds": ",".join(str(r.get("seed", "-")) for r in ok) or "-",
+                "runs": len(ok),
+                "failed": len(rs) - len(ok),
+                "metric_name": next((r.get("metric_name") for r in ok), None),
+                "metric_mean": _mean(values),
+                "metric_min": min(values) if values else None,
+                "metric_max": max(values) if values else None,
+                "metric_spread": max(values) - min(values) if values else None,
+                "steps": _mean([r.get("steps") for r in ok]),
+                "compression_ratio_last": _mean([r.get("compression_ratio_last") for r in ok]),
+                "compression_ratio": _mean([r.get("compression_ratio") for r in ok]),
+                "gb_sent": _mean([r.get("gb_sent") for r in ok]),
+            }
+        )
+    return out
 
 
 def main(args: argparse.Namespace) -> int:
@@ -158,21 +355,64 @@ def main(args: argparse.Namespace) -> int:
     bad = [t for t in tasks if t not in TASKS]
     if bad:
         raise SystemExit(f"--tasks must be among {list(TASKS)}, got {bad}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"--seeds must be a comma list of integers, got {args.seeds!r}") from None
+    if not seeds:
+        raise SystemExit("--seeds is empty")
     out = Path(args.out)
-    rows = []
+    max_steps, max_epochs = _budget(args)
+    argv = getattr(args, "argv", sys.argv[1:])
+    # every configuration, by config_key, in file order; a rerun replaces its row in place
+    done: dict[tuple, dict[str, Any]] = {}
+    previous = out / "accuracy.json"
+    if args.resume and previous.exists():
+        old = json.loads(previous.read_text())
+        done = {config_key(r): r for r in fill_older_rows(old.get("rows", []), old.get("meta", {}))}
+        argv = old.get("meta", {}).get("argv", []) + ["+"] + list(argv)
     meta = {
         "benchmark": "accuracy",
-        "max_steps": args.max_steps,
+        "max_steps": max_steps,
+        "max_epochs": max_epochs,
+        "seeds": seeds,
         "devices": args.devices,
+        "recipe_args": args.recipe_args,
         "machine": machine_info(),
-        "argv": getattr(args, "argv", sys.argv[1:]),
+        "argv": argv,
     }
+    this_run: list[tuple] = []
     for task in tasks:
         for codec in codecs:
-            print(f"accuracy: {task} {codec} ...", file=sys.stderr, flush=True)
-            rows.append(run_recipe(task, codec, args, out))
-            write_json(out / "accuracy.json", {"meta": meta, "rows": rows})
-            write_csv(out / "accuracy.csv", rows)
+            for seed in seeds:
+                key = config_key(
+                    {
+                        "task": task,
+                        "codec": codec,
+                        "seed": seed,
+                        "max_steps": max_steps,
+                        "max_epochs": max_epochs,
+                        "recipe_args": shlex.join(shlex.split(args.recipe_args)),
+                        "codec_options": _codec_options(args, codec),
+                        "devices": args.devices,
+                    }
+                )
+                this_run.append(key)
+                if done.get(key, {}).get("status") == "ok":
+                    print(f"accuracy: {task} {codec} seed {seed}: done before, kept", file=sys.stderr, flush=True)
+                    continue
+                print(f"accuracy: {task} {codec} seed {seed} ...", file=sys.stderr, flush=True)
+                done[key] = run_recipe(task, codec, seed, args, out)
+                rows = list(done.values())
+                write_json(out / "accuracy.json", {"meta": meta, "rows": rows, "summary": summarize(rows)})
+                write_csv(out / "accuracy.csv", rows)
+    rows = list(done.values())
+    summary = summarize(rows)
+    write_json(out / "accuracy.json", {"meta": meta, "rows": rows, "summary": summary})
+    write_csv(out / "accuracy.csv", rows)
+    write_csv(out / "accuracy_summary.csv", summary)
     print(format_table(rows, COLUMNS))
-    print(f"\nwrote {out / 'accuracy.json'} and {out / 'accuracy.csv'}")
-    return 0 if all(r.get("status") == "ok" for r in rows) else 1
+    print("\nper configuration: mean over the seeds' runs with status ok; max-min: their spread\n")
+    print(format_table(summary, SUMMARY_COLUMNS))
+    print(f"\nwrote {out / 'accuracy.json'}, {out / 'accuracy.csv'} and {out / 'accuracy_summary.csv'}")
+    return 0 if all(done[k].get("status") == "ok" for k in this_run) else 1

@@ -65,7 +65,7 @@ class AutoencoderWarmup(Callback):
             )
         # runs on every rank before the strategy registers the hook (and compares codec options)
         if self.warmup_steps is not None:
-            codec.warmup_steps = codec.start_step = self.warmup_steps
+            codec.warmup_steps = self.warmup_steps
         if self.ae_train_steps is not None:
             codec.ae_train_steps = self.ae_train_steps
 

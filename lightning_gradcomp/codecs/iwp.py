@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gradcomp.codecs.base import Codec, CodecContext, EncodeResult, check_choice, check_fraction
+from lightning_gradcomp.codecs.positions import ENCODINGS, choose_encoding, decode_positions, encode_positions, encoded_nbytes
 from lightning_gradcomp.codecs.sampling import select_top
 from lightning_gradcomp.registry import register_codec
 
@@ -44,12 +45,10 @@ __all__ = [
     "decode_positions",
 ]
 
-ENCODINGS = ("auto", "delta", "bitmap")
 ROOTS = ("random", "round_robin")
 SCOPES = ("bucket", "layer")
 
 _MASK64 = (1 << 64) - 1
-_SHIFTS = torch.arange(8, dtype=torch.uint8)
 _SCALE_SAMPLE = 4096  # weights read to estimate a layer's mean |w|
 
 
@@ -104,96 +103,6 @@ def importance(a: Tensor, w: Tensor, eps: float, out: Tensor | None = None) -> T
     out.add_(eps_l)
     torch.div(a, out, out=out)
     return out.abs_()
-
-
-# --------------------------------------------------------------------------------------------------
-# position codes
-def _ef_low_bits(k: int, n: int) -> int:
-    """Low-bit width of Elias-Fano for ``k`` positions in ``[0, n)``: ``floor(log2(n / k))``."""
-    return max(0, (n // k).bit_length() - 1) if k > 0 else 0
-
-
-def encoded_nbytes(encoding: str, k: int, n: int) -> int:
-    """Bytes of the code for ``k`` sorted distinct positions in ``[0, n)`` (no header: the size is
-    a function of ``k`` and ``n``). ``k == n`` needs no code at all (every position is kept)."""
-    if k >= n:
-        return 0
-    if encoding == "bitmap":
-        return -(-n // 8)
-    if encoding == "delta":
-        low = _ef_low_bits(k, n)
-        upper_bits = k + ((n - 1) >> low) + 1
-        return -(-k * low // 8) + -(-upper_bits // 8)
-    raise ValueError(f"index_encoding must be one of {list(ENCODINGS[1:])}, got {encoding!r}")
-
-
-def choose_encoding(mode: str, k: int, n: int) -> str:
-    """``"delta"`` or ``"bitmap"``; ``"auto"`` takes the smaller (delta on a tie)."""
-    if mode != "auto":
-        return mode
-    return "delta" if encoded_nbytes("delta", k, n) <= encoded_nbytes("bitmap", k, n) else "bitmap"
-
-
-def _bits_to_bytes(bits: Tensor) -> Tensor:
-    """Pack a flat bool tensor eight to a byte, least significant bit first."""
-    pad = (-bits.numel()) % 8
-    if pad:
-        bits = torch.cat([bits, bits.new_zeros(pad)])
-    shifts = _SHIFTS.to(bits.device)
-    return (bits.view(-1, 8).to(torch.uint8) << shifts).sum(1, dtype=torch.uint8)
-
-
-def _bytes_to_bits(data: Tensor, nbits: int) -> Tensor:
-    shifts = _SHIFTS.to(data.device)
-    return ((data.unsqueeze(1) >> shifts) & 1).reshape(-1)[:nbits].bool()
-
-
-def encode_positions(pos: Tensor, n: int, encoding: str) -> Tensor:
-    """Encode sorted distinct positions ``pos`` (int64) in ``[0, n)`` as a uint8 tensor of exactly
-    :func:`encoded_nbytes` bytes.
-
-    ``"bitmap"``: bit ``p`` is set for each kept position. ``"delta"`` (Elias-Fano): with
-    ``l = floor(log2(n/k))``, the low ``l`` bits of every position are stored verbatim, and the high
-    parts ``h_i = p_i >> l`` as a bit vector with bit ``h_i + i`` set; the number of zeros between
-    consecutive ones is the gap ``h_i - h_{i-1}``, a unary delta code. About ``l + 2`` bits a position.
-    """
-    k = pos.numel()
-    if k >= n:
-        return torch.zeros(0, dtype=torch.uint8, device=pos.device)
-    if encoding == "bitmap":
-        bits = torch.zeros(n, dtype=torch.bool, device=pos.device)
-        bits[pos] = True
-        return _bits_to_bytes(bits)
-    low = _ef_low_bits(k, n)
-    upper_bits = k + ((n - 1) >> low) + 1
-    upper = torch.zeros(upper_bits, dtype=torch.bool, device=pos.device)
-    upper[(pos >> low) + torch.arange(k, device=pos.device)] = True
-    parts = []
-    if low:
-        lows = pos & ((1 << low) - 1)
-        lowbits = (lows.unsqueeze(1) >> torch.arange(low, device=pos.device)) & 1
-        parts.append(_bits_to_bytes(lowbits.reshape(-1).bool()))
-    parts.append(_bits_to_bytes(upper))
-    return torch.cat(parts)
-
-
-def decode_positions(data: Tensor, k: int, n: int, encoding: str) -> Tensor:
-    """Inverse of :func:`encode_positions`: the ``k`` sorted positions as int64."""
-    if k >= n:
-        return torch.arange(n, device=data.device)
-    if encoding == "bitmap":
-        return torch.nonzero(_bytes_to_bits(data, n)).squeeze(1)
-    low = _ef_low_bits(k, n)
-    low_nbytes = -(-k * low // 8)
-    upper_bits = k + ((n - 1) >> low) + 1
-    ones = torch.nonzero(_bytes_to_bits(data[low_nbytes:], upper_bits)).squeeze(1)
-    if ones.numel() != k:
-        raise ValueError(f"corrupt position code: {ones.numel()} high parts for {k} positions")
-    pos = (ones - torch.arange(k, device=data.device)) << low
-    if low:
-        bits = _bytes_to_bits(data[:low_nbytes], k * low).view(k, low).long()
-        pos |= (bits << torch.arange(low, device=data.device)).sum(1)
-    return pos
 
 
 # --------------------------------------------------------------------------------------------------

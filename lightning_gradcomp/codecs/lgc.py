@@ -56,7 +56,10 @@ from lightning_gradcomp.codecs.base import (
     check_choice,
     check_fraction,
     check_positive_int,
+    check_run_steps,
+    run_steps,
 )
+from lightning_gradcomp.codecs.positions import choose_encoding, decode_positions, encode_positions, encoded_nbytes
 from lightning_gradcomp.codecs.sampling import select_top
 from lightning_gradcomp.registry import register_codec
 
@@ -66,6 +69,8 @@ __all__ = ["LGCCodec", "GradientAutoencoder", "MIN_AE_LEN"]
 MIN_AE_LEN = 64
 VARIANTS = ("rar", "ps")
 SELECTIONS = ("sampled", "exact")
+#: the paper's stage lengths (SOFF: 200 dense rounds, 300 collecting), the caps of fractions
+WARMUP_CAP, AE_TRAIN_CAP = 200, 300
 
 
 class GradientAutoencoder(nn.Module):
@@ -131,11 +136,18 @@ class LGCCodec(Codec):
     Args:
         variant: ``"rar"`` (latents summed in a ring all-reduce; default) or ``"ps"`` (the leader's
             latent plus every rank's sparse innovation, decoded on every rank as the server).
-        warmup_steps: optimizer steps of dense all-reduce (stage 1; SOFF: 200 rounds). The hook
-            never compresses before step 2.
-        ae_train_steps: steps of shared-support top-k while gradients are collected (stage 2; SOFF:
-            300 rounds). The AE is trained at its end.
-        ratio: fraction of each layer's entries on the shared support (SOFF's rho_g: 1e-3).
+        warmup_steps: stage 1, dense all-reduce: optimizer steps (an int), or a fraction of the
+            run (a float in (0, 1), capped at SOFF's 200 rounds; default 0.05). The strategy
+            resolves fractions against Lightning's ``estimated_stepping_batches``, so a run of any
+            length reaches the learned code early; where the run's length is unknown they take
+            the cap. The hook never compresses before step 2.
+        ae_train_steps: stage 2, shared-support top-k while gradients are collected: steps or a
+            fraction of the run (capped at SOFF's 300 rounds; default 0.1). The AE is trained at
+            its end.
+        ratio: fraction of each layer's entries on the shared support (default 1e-2; SOFF's
+            rho_g is 1e-3, which trained clearly worse than plain all-reduce here, see
+            docs/codecs/lgc.md). The support travels as an Elias-Fano code (about
+            ``2 + log2(1/ratio)`` bits a position), so the steady ratio stays above 100.
         innovation_ratio: ``"ps"`` only: fraction of each layer's entries sent as innovation
             (SOFF's rho_i: 1e-5); must be below ``ratio``.
         latent_channels: AE code channels; the code is ``latent_channels / 16`` of the kept values
@@ -151,6 +163,10 @@ class LGCCodec(Codec):
             decoded aggregate is at most this; other layers keep sending their values on the shared
             support (stage 2's exact sum). Our choice, so that a poor code cannot silently drop the
             values; ``float("inf")`` uses the AE everywhere.
+        ae_error_feedback: ``"rar"``: keep the AE's own error on the support,
+            ``v - s D(E(v / s))``, in the residual (default True), so what the code misses is sent
+            later instead of being lost; False keeps only what is off the support (the paper's
+            choice). ``gradcomp/rel_error`` includes the AE's error either way.
         seed: seeds the AE initialization, its training and the sampling.
         **kwargs: the common codec options (``error_feedback`` on by default, ``min_numel``).
     """
@@ -160,9 +176,9 @@ class LGCCodec(Codec):
     def __init__(
         self,
         variant: str = "rar",
-        warmup_steps: int = 200,
-        ae_train_steps: int = 300,
-        ratio: float = 1e-3,
+        warmup_steps: int | float = 0.05,
+        ae_train_steps: int | float = 0.1,
+        ratio: float = 1e-2,
         innovation_ratio: float = 1e-5,
         latent_channels: int = 4,
         ae_width: int = 16,
@@ -172,6 +188,7 @@ class LGCCodec(Codec):
         ae_samples: int = 64,
         selection: str = "sampled",
         max_recon_error: float = 0.7,
+        ae_error_feedback: bool = True,
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
@@ -179,8 +196,10 @@ class LGCCodec(Codec):
             raise ValueError("lgc schedules its stages with warmup_steps and ae_train_steps, not start_step")
         super().__init__(**kwargs)
         self.variant = check_choice("variant", variant, VARIANTS)
-        self.warmup_steps = check_positive_int("warmup_steps", warmup_steps, allow_zero=True)
-        self.ae_train_steps = check_positive_int("ae_train_steps", ae_train_steps)
+        self.warmup_steps = check_run_steps("warmup_steps", warmup_steps)
+        self.ae_train_steps = check_run_steps("ae_train_steps", ae_train_steps)
+        if self.ae_train_steps == 0:
+            raise ValueError("ae_train_steps must be >= 1 step (or a fraction of the run): the AE trains on stage 2")
         self.ratio = check_fraction("ratio", ratio)
         self.innovation_ratio = check_fraction("innovation_ratio", innovation_ratio)
         if self.innovation_ratio >= self.ratio:
@@ -199,8 +218,8 @@ class LGCCodec(Codec):
         if not (isinstance(max_recon_error, (int, float)) and max_recon_error > 0):
             raise ValueError(f"max_recon_error must be a positive number, got {max_recon_error!r}")
         self.max_recon_error = float(max_recon_error)
+        self.ae_error_feedback = bool(ae_error_feedback)
         self.seed = int(seed)
-        self.start_step = self.warmup_steps
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             self.ae = GradientAutoencoder(self.ae_width, self.latent_channels, innovation=self.variant == "ps")
@@ -237,19 +256,24 @@ class LGCCodec(Codec):
     # ----------------------------------------------------------------------------------------------
     # schedule
     @property
+    def warmup_end(self) -> int:
+        """First step of stage 2 (``warmup_steps`` resolved against the run's length)."""
+        return run_steps(self.warmup_steps, self.run_total_steps, WARMUP_CAP)
+
+    @property
     def ae_start_step(self) -> int:
         """First step of stage 3."""
-        return self.warmup_steps + self.ae_train_steps
+        return self.warmup_end + max(1, run_steps(self.ae_train_steps, self.run_total_steps, AE_TRAIN_CAP))
 
     def stage(self, step: int) -> int:
         """1 (dense), 2 (shared-support top-k, collecting) or 3 (learned code) at ``step``."""
-        if step < max(self.warmup_steps, 2):
+        if step < max(self.warmup_end, 2):
             return 1
         return 2 if step < self.ae_start_step or not self.ae_trained else 3
 
     def is_compressing(self, step: int) -> bool:
         self._step = step  # called for every bucket before anything else: the stage of this step
-        return step >= self.warmup_steps
+        return step >= self.warmup_end
 
     @property
     def collective(self) -> str:  # type: ignore[override]
@@ -282,43 +306,58 @@ class LGCCodec(Codec):
         world, leader = self.world_size, step % self.world_size
         is_leader = self.rank == leader
         device = layers[0][1].device
-        sizes = [self.k_for(x.numel()) for _, x, _ in layers]
+        numels = [x.numel() for _, x, _ in layers]
+        sizes = [self.k_for(n) for n in numels]
+        encodings = [choose_encoding("auto", k, n) for k, n in zip(sizes, numels)]
+        code_bytes = [encoded_nbytes(e, k, n) for e, k, n in zip(encodings, sizes, numels)]
         use_ae = [stage == 3 and k >= MIN_AE_LEN and key in self._ae_layers for (key, _, _), k in zip(layers, sizes)]
         lat = [self.latent_channels * GradientAutoencoder.latent_len(k) if a else 0 for k, a in zip(sizes, use_ae)]
         n_scales = sum(use_ae)
         n_lat = sum(lat) if self.variant == "ps" else 0
-        msg = torch.empty(sum(sizes) + n_scales + n_lat, dtype=torch.int32, device=device)
+        # one byte message: the scales and the leader's latents as fp32 (first, so that their
+        # views stay aligned), then every layer's support as a position code; all sizes follow
+        # from k and n, so no header travels
+        nbytes = sum(code_bytes) + 4 * (n_scales + n_lat)
+        msg = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        supports: list[Tensor | None] = [None] * len(layers)
         if is_leader:
-            idx_parts, scales, zs = [], [], []
-            for (key, x, _), k, a in zip(layers, sizes, use_ae):
+            parts, scales, zs = [], [], []
+            for i, ((key, x, _), k, a, e, n) in enumerate(zip(layers, sizes, use_ae, encodings, numels)):
                 idx = self._select(x, k, step)
-                idx_parts.append(idx.to(torch.int32))
+                supports[i] = idx
+                parts.append(encode_positions(idx, n, e))
                 if a:
                     v = x[idx]
-                    s = float(v.pow(2).mean().sqrt()) + 1e-30
+                    s = v.pow(2).mean().sqrt() + 1e-30
                     scales.append(s)
                     if self.variant == "ps":
                         with torch.no_grad():
                             zs.append(self.ae.encode((v / s).unsqueeze(0)).reshape(-1))
-            parts = idx_parts + [torch.tensor(scales, dtype=torch.float32, device=device).view(torch.int32)]
-            parts += [z.view(torch.int32) for z in zs]
-            torch.cat(parts, out=msg)
-        if world > 1:
+            head = [torch.stack(scales).to(torch.float32).view(torch.uint8)] if scales else []
+            head += [z.to(torch.float32).view(torch.uint8) for z in zs]
+            parts = head + parts
+            if parts:
+                torch.cat(parts, out=msg)
+        if world > 1 and nbytes:
             dist.broadcast(msg, src=leader)
-        off_i, off_s, off_z = 0, sum(sizes), sum(sizes) + n_scales
-        for (key, _, _), k, a, nl in zip(layers, sizes, use_ae, lat):
-            idx = msg[off_i : off_i + k].long()
-            off_i += k
+        scale_values = msg[: 4 * n_scales].view(torch.float32)
+        latents = msg[4 * n_scales : 4 * (n_scales + n_lat)].view(torch.float32)
+        off_b, off_s, off_z = 4 * (n_scales + n_lat), 0, 0
+        for i, ((key, _, _), k, a, nl, e, b, n) in enumerate(zip(layers, sizes, use_ae, lat, encodings, code_bytes, numels)):
+            idx = supports[i]
+            if idx is None:
+                idx = decode_positions(msg[off_b : off_b + b], k, n, e)
+            off_b += b
             s, z = 1.0, None
             if a:
-                s = float(msg[off_s : off_s + 1].view(torch.float32))
+                s = scale_values[off_s : off_s + 1].clone()  # a tensor: no host sync per layer
                 off_s += 1
                 if self.variant == "ps":
-                    z = msg[off_z : off_z + nl].view(torch.float32).view(1, self.latent_channels, -1)
+                    z = latents[off_z : off_z + nl].view(1, self.latent_channels, -1)
                     off_z += nl
             self._shared[key] = (idx, s, z)
         self.last_timing["prepare_s"] = time.perf_counter() - t0
-        return msg.numel() * 4
+        return nbytes
 
     # ----------------------------------------------------------------------------------------------
     # encode / decode
@@ -332,8 +371,16 @@ class LGCCodec(Codec):
             return EncodeResult([v], local=local, ctx=(idx, s, None, step, key))
         with torch.no_grad():
             if self.variant == "rar":
-                local[idx] = v  # the residual keeps what is off the support (the AE error is not fed back)
-                return EncodeResult([self.ae.encode((v / s).unsqueeze(0)).reshape(-1)], local=local, ctx=(idx, s, None, step, key))
+                z = self.ae.encode((v / s).unsqueeze(0))
+                # what this rank's code stands for: its own values through the AE. The summed code
+                # decodes to the aggregate, so this is the best per-rank account of what was sent.
+                sent = torch.zeros_like(x)
+                sent[idx] = s * self.ae.decode(z, k)[0]
+                if self.ae_error_feedback:
+                    local = sent  # the residual keeps the AE's error on the support too
+                else:
+                    local[idx] = v  # the residual keeps only what is off the support
+                return EncodeResult([z.reshape(-1)], local=local, ctx=(idx, s, None, step, key), sent=sent)
             # ps: send the innovation; what the server will reconstruct for this rank is known here
             ki = self.innovation_k(x.numel())
             pos = torch.topk(v.abs(), ki, sorted=False).indices

@@ -50,6 +50,8 @@ class PowerSGDCodec(Codec):
     # over its first buckets in declaration order before rebuilding them in gradient-ready order:
     # the strategy then sends plain all-reduce until the rebuilt layout, which the state fits, is back
     bucket_keyed_state = True
+    # torch's hook picks the matrices it compresses by its own rule (min_compression_rate)
+    supports_dense_layers = False
 
     def __init__(
         self,
@@ -63,6 +65,7 @@ class PowerSGDCodec(Codec):
         if kwargs.get("error_feedback"):
             raise ValueError("powersgd keeps torch's own error feedback: use use_error_feedback, not error_feedback")
         kwargs["min_numel"] = kwargs.get("min_numel", 0)
+        kwargs.setdefault("dense_layers", "none")
         super().__init__(**kwargs)
         self.rank_r = check_positive_int("rank", rank)
         if not min_compression_rate > 0:

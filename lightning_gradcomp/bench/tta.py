@@ -1,0 +1,306 @@
+"""``tta``: time to accuracy on a slow link, two separate measurements combined.
+
+Neither benchmark measures it alone. The ``accuracy`` runs (the recipes on this machine, several
+seeds) give the validation metric at every validation step; the ``link`` runs (one rank per
+shaped network host) give the median time of one optimizer step per codec and link rate. For
+each codec and rate:
+
+- target: the final metric of ``none`` (plain all-reduce), mean over its seeds, less
+  ``--target-drop`` (in the metric's own units: 0.01 is one point of accuracy);
+- steps to target: the first validation step at which the codec's metric, the mean over its
+  seeds at the steps every seed validated, reaches the target ('not reached' within the budget);
+- time to accuracy: those steps times the codec's median step time on that link
+  (``--hosts`` hosts), and the speed-up against ``none`` and ``powersgd`` (their time / this time).
+
+The two measurements need not have run the same model or batch: the link rows here are ResNet-18
+with 32 images per rank, while an accuracy run may use ``--model resnet10`` or another
+``--batch-size``. Both are recorded in the output, and a warning says when they differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning_gradcomp.bench.accuracy import config_key, recipe_option
+from lightning_gradcomp.bench.results import Column, format_table, read_json, write_csv, write_json
+
+__all__ = [
+    "accuracy_curves",
+    "add_arguments",
+    "caption",
+    "columns",
+    "compute",
+    "link_step_times",
+    "main",
+    "mean_history",
+    "steps_to_target",
+]
+
+#: a mean of the same numbers summed in another order may differ in the last bits
+TOLERANCE = 1e-9
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--accuracy", default="bench_results/accuracy/accuracy.json", help="results of `accuracy`")
+    p.add_argument("--link", default="bench_results/link/link.json", help="results of `link`")
+    p.add_argument("--rates", default="100mbit,10mbit", help="comma list of link rates found in the link results")
+    p.add_argument("--hosts", type=int, default=2, help="host count of the link rows to use")
+    p.add_argument("--task", default="cifar10", help="task of the accuracy rows to use")
+    p.add_argument(
+        "--target-drop",
+        type=float,
+        default=0.0,
+        help="target = none's final metric minus this, in the metric's units (0.01: one point of accuracy)",
+    )
+    p.add_argument("--compare", default="none,powersgd", help="codecs the speed-up is given against")
+    p.add_argument(
+        "--link-model", default=None, help="model of the link rows (default: the accuracy runs' model if present)"
+    )
+    p.add_argument("--out", default="bench_results/tta")
+
+
+# --------------------------------------------------------------------------------------------------
+def mean_history(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The seeds' histories at the steps all of them validated: mean, min and max per step."""
+    histories = [{p["step"]: p["metric"] for p in r.get("history") or []} for r in rows]
+    if not histories:
+        return []
+    steps = sorted(set.intersection(*(set(h) for h in histories)))
+    return [
+        {
+            "step": s,
+            "mean": sum(h[s] for h in histories) / len(histories),
+            "min": min(h[s] for h in histories),
+            "max": max(h[s] for h in histories),
+        }
+        for s in steps
+    ]
+
+
+def steps_to_target(curve: list[dict[str, Any]], target: float) -> int | None:
+    """The first step of ``curve`` whose mean reaches ``target``; ``None`` when none does."""
+    return next((p["step"] for p in curve if p["mean"] >= target - TOLERANCE), None)
+
+
+def accuracy_curves(rows: list[dict[str, Any]], task: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Per codec label, from the runs of ``task`` with status ok: its mean history curve, the mean
+    final metric, the seeds, model, batch size and ranks. A codec with runs of several
+    configurations (another budget, other recipe arguments) keeps those of the last one."""
+    warnings: list[str] = []
+    by_codec: dict[str, dict[tuple, list[dict[str, Any]]]] = {}
+    for r in rows:
+        if r.get("task") == task and r.get("status", "ok") == "ok" and r.get("metric") is not None:
+            key = config_key(r)
+            by_codec.setdefault(r["codec"], {}).setdefault(key[:2] + key[3:], []).append(r)
+    out = {}
+    for codec, configs in by_codec.items():
+        runs = list(configs.values())[-1]
+        if len(configs) > 1:
+            warnings.append(f"{codec}: runs of {len(configs)} configurations; the last one's ({len(runs)} run(s)) used")
+        first = runs[0]
+        out[codec] = {
+            "curve": mean_history(runs),
+            "final_metric": sum(r["metric"] for r in runs) / len(runs),
+            "seeds": [r.get("seed") for r in runs],
+            "steps": max(r.get("steps") or 0 for r in runs),
+            "metric_name": first.get("metric_name"),
+            # rows of older versions name the model only in their command line
+            "model": first.get("model") or recipe_option(shlex.split(first.get("command", "")), "--model"),
+            "batch_size": first.get("batch_size"),
+            "world_size": (first.get("raw") or {}).get("world_size", first.get("devices")),
+        }
+    missing = [codec for codec, c in out.items() if not c["curve"]]
+    if missing:
+        warnings.append(
+            f"no validation history for {', '.join(missing)}: accuracy runs made before the recipes recorded one; "
+            "run them again"
+        )
+    return out, warnings
+
+
+def link_step_times(rows: list[dict[str, Any]], hosts: int, rate: str, model: str | None) -> dict[str, float]:
+    """Median step time per codec label at ``hosts`` hosts and ``rate`` (the last row of a repeat wins)."""
+    return {
+        r["codec"]: r["step_s"]
+        for r in rows
+        if r.get("hosts") == hosts
+        and r.get("rate") == rate
+        and r.get("step_s") is not None
+        and (model is None or r.get("model", model) == model)
+    }
+
+
+def _pick_link_model(
+    rows: list[dict[str, Any]], meta: dict[str, Any], wanted: str | None, acc_model: Any
+) -> str | None:
+    """``--link-model``, else the accuracy runs' model, else the link run's own, among the models
+    the link rows hold."""
+    models = [r.get("model") for r in rows if r.get("model")]
+    if wanted:
+        return wanted
+    for m in (acc_model, meta.get("model")):
+        if m in models:
+            return m
+    return models[-1] if models else meta.get("model")
+
+
+def compute(
+    acc: dict[str, Any],
+    link: dict[str, Any],
+    rates: list[str],
+    *,
+    hosts: int = 2,
+    task: str = "cifar10",
+    target_drop: float = 0.0,
+    compare: tuple[str, ...] = ("none", "powersgd"),
+    link_model: str | None = None,
+) -> dict[str, Any]:
+    """Time to accuracy per codec and rate from the JSON of ``accuracy`` and of ``link``:
+    ``{"meta": ..., "rows": [...], "curves": {codec: [{step, mean, min, max}]}}``."""
+    codecs, warnings = accuracy_curves(acc.get("rows", []), task)
+    if "none" not in codecs:
+        raise ValueError(f"the accuracy results hold no run of 'none' on {task} with status ok: no target")
+    target = codecs["none"]["final_metric"] - target_drop
+    info = codecs["none"]
+    acc_model, acc_batch = info["model"], info["batch_size"]
+    link_meta = link.get("meta", {})
+    model = _pick_link_model(link.get("rows", []), link_meta, link_model, acc_model)
+    link_batch = link_meta.get("batch_size")
+    if link_batch is None and model:
+        from lightning_gradcomp.bench.models import DEFAULT_BATCH
+
+        link_batch = DEFAULT_BATCH.get(model)
+    if model != acc_model:
+        warnings.append(
+            f"model differs: accuracy runs {acc_model or 'unknown'}, link rows {model}; "
+            f"the step times belong to {model}"
+        )
+    if link_batch != acc_batch:
+        warnings.append(
+            f"batch per rank differs: accuracy runs {acc_batch or 'unknown'}, link rows {link_batch}; "
+            "steps to target depend on it"
+        )
+    rows = []
+    for rate in rates:
+        step_s = link_step_times(link.get("rows", []), hosts, rate, model)
+        if not step_s:
+            warnings.append(f"no link rows at {rate} with {hosts} hosts (model {model})")
+        times: dict[str, float | None] = {}
+        rate_rows = []
+        for codec, c in codecs.items():
+            steps = steps_to_target(c["curve"], target)
+            s = step_s.get(codec)
+            tta = steps * s if steps is not None and s is not None else None
+            times[codec] = tta
+            note = ""
+            if not c["curve"]:
+                note = "no validation history"
+            elif s is None:
+                note = f"no link row for {codec} at {rate}"
+            rate_rows.append(
+                {
+                    "codec": codec,
+                    "rate": rate,
+                    "hosts": hosts,
+                    "target": target,
+                    "final_metric": c["final_metric"],
+                    "seeds": ",".join("?" if x is None else str(x) for x in c["seeds"]),
+                    "steps_to_target": steps,
+                    "reached": steps is not None,
+                    "steps_text": str(steps) if steps is not None else ("not reached" if c["curve"] else "-"),
+                    "budget_steps": c["steps"],
+                    "step_s": s,
+                    "tta_s": tta,
+                    "note": note,
+                }
+            )
+        for r in rate_rows:
+            for base in compare:
+                b = times.get(base)
+                r[f"speedup_vs_{base}"] = b / r["tta_s"] if b is not None and r["tta_s"] else None
+        rows += rate_rows
+    meta = {
+        "benchmark": "tta",
+        "task": task,
+        "metric_name": info["metric_name"],
+        "target": target,
+        "target_drop": target_drop,
+        "none_final_metric": info["final_metric"],
+        "none_seeds": info["seeds"],
+        "rates": rates,
+        "hosts": hosts,
+        "compare": list(compare),
+        "accuracy_model": acc_model,
+        "accuracy_batch_size": acc_batch,
+        "accuracy_world_size": info["world_size"],
+        "link_model": model,
+        "link_batch_size": link_batch,
+        "warnings": warnings,
+    }
+    meta["caption"] = caption(meta)
+    return {"meta": meta, "rows": rows, "curves": {codec: c["curve"] for codec, c in codecs.items()}}
+
+
+def caption(meta: dict[str, Any]) -> str:
+    """What the table combines, in words: two separate measurements, their models and batches."""
+    drop = f" less {meta['target_drop']:g}" if meta.get("target_drop") else ""
+    acc_batch = meta.get("accuracy_batch_size")
+    seeds = ", ".join("?" if s is None else str(s) for s in meta.get("none_seeds", []))
+    return (
+        "Time to accuracy combines two separate measurements: the steps to the target come from the accuracy "
+        f"runs on the local machine ({meta.get('accuracy_model') or 'the recipe default model'}, "
+        f"{f'batch {acc_batch}' if acc_batch else 'the recipe default batch'} per rank, "
+        f"{meta.get('accuracy_world_size')} ranks; validation metric at each validation step, mean over seeds), "
+        f"the time of one step from the shaped-link runs ({meta.get('link_model')}, batch "
+        f"{meta.get('link_batch_size')} per rank, {meta.get('hosts')} hosts; median step time). Target: the final "
+        f"{meta.get('metric_name') or 'metric'} of none (mean over seeds {seeds}){drop} = {meta['target']:.4f}."
+    )
+
+
+def columns(compare: list[str] | tuple[str, ...]) -> list[Column]:
+    return [
+        Column("codec", "codec"),
+        Column("rate", "link"),
+        Column("final_metric", "final", "{:.4f}"),
+        Column("steps_text", "steps to target"),
+        Column("step_s", "step s", "{:.3f}"),
+        Column("tta_s", "time to acc. s", "{:.0f}"),
+        *(Column(f"speedup_vs_{b}", f"x vs {b}", "{:.2f}") for b in compare),
+        Column("note", "note"),
+    ]
+
+
+def main(args: argparse.Namespace) -> int:
+    for path in (args.accuracy, args.link):
+        if not Path(path).exists():
+            raise SystemExit(f"tta: {path} not found (run `python -m lightning_gradcomp.bench accuracy` and `link`)")
+    rates = [r for r in args.rates.split(",") if r]
+    compare = tuple(c for c in args.compare.split(",") if c)
+    try:
+        result = compute(
+            read_json(args.accuracy),
+            read_json(args.link),
+            rates,
+            hosts=args.hosts,
+            task=args.task,
+            target_drop=args.target_drop,
+            compare=compare,
+            link_model=args.link_model,
+        )
+    except ValueError as err:
+        raise SystemExit(f"tta: {err}") from None
+    meta = result["meta"]
+    meta.update(accuracy=str(args.accuracy), link=str(args.link), argv=getattr(args, "argv", sys.argv[1:]))
+    for w in meta["warnings"]:
+        print(f"tta: warning: {w}", file=sys.stderr)
+    out = Path(args.out)
+    write_json(out / "tta.json", result)
+    write_csv(out / "tta.csv", result["rows"])
+    print(meta["caption"] + "\n")
+    print(format_table(result["rows"], columns(compare)))
+    print(f"\nwrote {out / 'tta.json'} and {out / 'tta.csv'}")
+    return 0
