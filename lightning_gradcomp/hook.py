@@ -15,6 +15,11 @@ manner of torch's ``powerSGD_hook``. For each bucket DDP hands over, the hook
 4. decodes once the collective has finished (in a ``.then`` callback that never waits on another
    collective), divides by the world size, and writes the result into the bucket.
 
+With momentum correction (the codec's ``momentum`` option, DGC), every layer's gradient first
+becomes this rank's velocity, ``u <- momentum * u + g`` (plus weight decay, Nesterov as
+``torch.optim.SGD``), on every step and every path; the momentum buffers follow the residuals'
+stage/commit rule, and sparsifying codecs zero them where they sent (momentum factor masking).
+
 Every message carries a one-element flag that says whether any rank's bucket held a NaN or an
 Inf, so all ranks detect a non-finite gradient together without an extra round trip. Such a
 bucket is zeroed on every rank, its residuals are not updated, learned codec state does not see
@@ -69,6 +74,7 @@ class CodecHookState:
         # internal state
         "step",
         "memory",
+        "momentum_buffers",
         "stats",
         "nonfinite_steps",
         "skip_requested",
@@ -101,6 +107,7 @@ class CodecHookState:
         self.fallback = FallbackPolicy(enabled=fallback)
         self.step = 0
         self.memory = ResidualMemory()
+        self.momentum_buffers = ResidualMemory()  # per-rank momentum of momentum correction
         self.stats = StatsAccumulator()
         self.nonfinite_steps = 0
         self.skip_requested = False
@@ -203,9 +210,24 @@ class CodecHookState:
         return fut
 
     # ----------------------------------------------------------------------------------------------
+    def _velocity(self, key: str, g: Tensor, param: Tensor) -> Tensor:
+        """Momentum correction: stage ``u <- m u + (g + wd w)`` and return what travels in place of
+        the gradient, ``u`` (or ``g + wd w + m u`` with Nesterov), exactly as ``torch.optim.SGD``
+        forms its update direction. ``g`` is flat fp32."""
+        codec = self.codec
+        d = g if not codec.weight_decay else g + codec.weight_decay * param.detach().reshape(-1).to(g.dtype)
+        previous = self.momentum_buffers.residuals.get(key)
+        u = d.clone() if previous is None else previous.mul(codec.momentum).add_(d)
+        self.momentum_buffers.stage(key, u)
+        return d.add(u, alpha=codec.momentum) if codec.nesterov else u.clone()
+
     def _dense(self, buf: Tensor, layers: list, flag: float, world: int, step: int) -> torch.futures.Future:
         """Plain averaging all-reduce of the bucket, residuals flushed into it, codec observing."""
         codec, memory = self.codec, self.memory
+        if codec.momentum:
+            for k, g, p in layers:
+                g.copy_(self._velocity(k, g.reshape(-1).to(torch.float32), p).view_as(g))
+        all_keys = [k for k, _, _ in layers]
         flushed = [k for k, _, _ in layers if k in memory.residuals]
         if flushed:  # a residual left from earlier compressed steps travels now, nothing is lost
             for k, g, _ in layers:
@@ -232,9 +254,11 @@ class CodecHookState:
             if float(t[n]) > 0:
                 buf.zero_()
                 memory.discard(flushed)
+                self.momentum_buffers.discard(all_keys)
                 self._note_nonfinite(step)
                 return buf
             buf.copy_(t[:n].view_as(buf))
+            self.momentum_buffers.commit(all_keys)
             if flushed:
                 with memory._lock:
                     for k in flushed:
@@ -253,21 +277,28 @@ class CodecHookState:
         dense_grads: list[Tensor] = []
         inputs: list[tuple[str, Tensor, Tensor, Tensor]] = []  # key, grad view, flat fp32 input, param
         for k, g, p in layers:
+            x = g.reshape(-1).to(torch.float32)
+            if codec.momentum:
+                x = self._velocity(k, x, p)
             if codec.should_compress(k, p):
-                x = g.reshape(-1).to(torch.float32)
                 if codec.error_feedback:
                     x = memory.compensate(k, x)
                 inputs.append((k, g, x, p))
             else:
+                if codec.momentum:
+                    g.copy_(x.view_as(g))
                 dense_grads.append(g)
+        masking = codec.momentum and codec.momentum_masking and codec.sparse_local
         extra_bytes = codec.prepare_bucket([(k, x, p) for k, _, x, p in inputs], step) if inputs else 0
         encoded: list[EncodeResult] = []
         err_sq = ref_sq = 0.0
         for k, g, x, p in inputs:
             enc = codec.encode(x, k, p, step)
             encoded.append(enc)
-            if codec.error_feedback or sample:
+            if codec.error_feedback or sample or masking:
                 local = enc.local if enc.local is not None else codec.decode_local(enc, x.numel())
+                if masking:  # the sent coordinates start their momentum afresh
+                    self.momentum_buffers.mask_pending(k, local == 0)
                 diff = x - local
                 if codec.error_feedback:
                     memory.stage(k, diff)
@@ -281,6 +312,7 @@ class CodecHookState:
             dense = torch.zeros(0, dtype=torch.float32, device=buf.device)
         flag_t = torch.full((1,), flag, dtype=torch.float32, device=buf.device)
         keys = [k for k, _, _, _ in inputs]
+        all_keys = [k for k, _, _ in layers]
         if codec.collective == "allreduce":
             wire_dtype = getattr(codec, "wire_dtype", torch.float32)
             pieces = [t.reshape(-1).to(wire_dtype) for enc in encoded for t in enc.payload]
@@ -321,7 +353,7 @@ class CodecHookState:
                 # every rank received the same sum, so checking it decides identically everywhere:
                 # this also catches an overflow of a narrow wire format (fp16 beyond 65504)
                 if float(t[-1]) > 0 or not bool(torch.isfinite(t).all()):
-                    return self._discard(buf, keys, step)
+                    return self._discard(buf, keys, step, all_keys)
                 off = 0
                 for (k, g, x, p), enc in zip(inputs, encoded):
                     summed = []
@@ -333,7 +365,7 @@ class CodecHookState:
             else:
                 rows = [unpack(r, layout) for r in received]
                 if sum(float(r[-1][0]) for r in rows) > 0:
-                    return self._discard(buf, keys, step)
+                    return self._discard(buf, keys, step, all_keys)
                 off = 0
                 for (k, g, x, p), enc in zip(inputs, encoded):
                     m = len(enc.payload)
@@ -343,8 +375,9 @@ class CodecHookState:
                 if dense_grads:
                     write_dense(torch.stack([r[-2] for r in rows]).sum(0))
                 if not bool(torch.isfinite(buf).all()):  # decoded from identical rows: same verdict everywhere
-                    return self._discard(buf, keys, step)
+                    return self._discard(buf, keys, step, all_keys)
             memory.commit(keys)
+            self.momentum_buffers.commit(all_keys)
             stats.add(decode_s=time.perf_counter() - t2)
             return buf
 
@@ -361,9 +394,10 @@ class CodecHookState:
                 "(CompressedDDPStrategy(timeout=...), init_process_group(timeout=...))."
             ) from err
 
-    def _discard(self, buf: Tensor, keys: list[str], step: int) -> Tensor:
+    def _discard(self, buf: Tensor, keys: list[str], step: int, momentum_keys: list[str] = ()) -> Tensor:
         buf.zero_()
         self.memory.discard(keys)
+        self.momentum_buffers.discard(list(momentum_keys))
         self._note_nonfinite(step)
         return buf
 

@@ -52,6 +52,13 @@ class ResidualMemory:
                 if r is not None:
                     self.residuals[k] = r
 
+    def mask_pending(self, key: str, keep: Tensor) -> None:
+        """Multiply the staged tensor of ``key`` by ``keep`` (momentum factor masking)."""
+        with self._lock:
+            r = self._pending.get(key)
+            if r is not None:
+                r.mul_(keep)
+
     def discard(self, keys: list[str]) -> None:
         with self._lock:
             for k in keys:

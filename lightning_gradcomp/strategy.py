@@ -124,6 +124,24 @@ class CompressedDDPStrategy(DDPStrategy):
 
         if not any(isinstance(cb, CompressionMonitor) for cb in trainer.callbacks):
             trainer.callbacks.append(CompressionMonitor())
+        self._check_optimizer_momentum()
+
+    def _check_optimizer_momentum(self) -> None:
+        """With momentum correction the codec owns momentum (and weight decay): an optimizer that
+        adds its own would apply them twice, so refuse it before the first step."""
+        codec = self.codec
+        if not codec.momentum:
+            return
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                if group.get("momentum", 0) or (codec.weight_decay and group.get("weight_decay", 0)):
+                    raise ValueError(
+                        f"the codec applies momentum correction (momentum={codec.momentum}"
+                        f"{f', weight_decay={codec.weight_decay}' if codec.weight_decay else ''}), so the optimizer "
+                        f"must not add its own: {type(opt).__name__} has momentum={group.get('momentum', 0)}, "
+                        f"weight_decay={group.get('weight_decay', 0)}. Use torch.optim.SGD(params, lr, momentum=0"
+                        f"{', weight_decay=0' if codec.weight_decay else ''}) and give them to the codec."
+                    )
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -150,6 +168,7 @@ class CompressedDDPStrategy(DDPStrategy):
         if previous is not None:  # a second fit() in the same process continues where it stopped
             state.step = previous.step
             state.memory = previous.memory
+            state.momentum_buffers = previous.momentum_buffers
             state.nonfinite_steps = previous.nonfinite_steps
         if self._pending_checkpoint is not None:
             self._apply_checkpoint(state, self._pending_checkpoint)
@@ -227,6 +246,7 @@ class CompressedDDPStrategy(DDPStrategy):
         state = self.hook_state
         assert state is not None
         local: dict[str, torch.Tensor] = {f"residual.{k}": v for k, v in state.memory.state_dict().items()}
+        local.update({f"momentum.{k}": v for k, v in state.momentum_buffers.state_dict().items()})
         local.update({f"codec.{k}": v for k, v in self.codec.rank_state_dict().items()})
         ranks = _gather_rank_states(local, self.root_device)
         return {
@@ -257,6 +277,8 @@ class CompressedDDPStrategy(DDPStrategy):
         mine = saved["ranks"][dist.get_rank() if dist.is_initialized() else 0]
         residuals = {k[len("residual.") :]: v for k, v in mine.items() if k.startswith("residual.")}
         state.memory.load_state_dict(residuals, device=self.root_device)
+        momentum = {k[len("momentum.") :]: v for k, v in mine.items() if k.startswith("momentum.")}
+        state.momentum_buffers.load_state_dict(momentum, device=self.root_device)
         self.codec.load_rank_state_dict({k[len("codec.") :]: v for k, v in mine.items() if k.startswith("codec.")})
 
     @classmethod

@@ -190,6 +190,10 @@ def test_tensorboard_tags(runs):
         else:
             assert ratio[step] == pytest.approx(1.0, rel=0.02)  # dense warm-up
     assert all(v > 0 for _, v in s["gradcomp/bytes_sent"])
+    # the whole-run ratio counts the dense steps too: between 1 and the steady ratio, rising
+    run_ratio = [v for _, v in s["gradcomp/compression_ratio_run"]]
+    assert run_ratio[0] == pytest.approx(1.0, rel=0.02) and run_ratio == sorted(run_ratio)
+    assert 1.0 < run_ratio[-1] < max(ratio.values())
     for t in ("encode_ms", "decode_ms", "comm_ms"):
         assert all(v >= 0 for _, v in s[f"gradcomp/{t}"])
     # rel_error is sampled on compressed steps; top-k keeps the largest entries: 0 < error < 1

@@ -18,7 +18,9 @@ class CompressionMonitor(Callback):
     (TensorBoard by default), per rank-0 step:
 
     - ``gradcomp/compression_ratio``: bytes a plain all-reduce would transmit / bytes transmitted,
-      both under ring algorithms (also in the progress bar as ``ratio``);
+      both under ring algorithms, this step (also in the progress bar as ``ratio``);
+    - ``gradcomp/compression_ratio_run``: the same over the whole run so far, warm-up included
+      (what a run of this length really saved);
     - ``gradcomp/bytes_sent``: bytes this rank transmitted this step (ring estimate, see
       :func:`lightning_gradcomp.comm.wire_bytes`); ``payload_bytes``: bytes handed to collectives;
     - ``gradcomp/rel_error``: ``||x - x_hat|| / ||x||`` of this rank's compressed layers, on steps
@@ -43,6 +45,9 @@ class CompressionMonitor(Callback):
         if step is None:  # an accumulation micro-batch: nothing was communicated
             return
         scalars = {f"gradcomp/{k}": v for k, v in step.as_scalars().items()}
+        totals = state.stats.totals
+        if totals.wire_bytes > 0:
+            scalars["gradcomp/compression_ratio_run"] = totals.raw_wire_bytes / totals.wire_bytes
         scalars["gradcomp/nonfinite_steps"] = float(state.nonfinite_steps)
         pl_module.log_dict(scalars, on_step=True, on_epoch=False, batch_size=1)
         if self.prog_bar:

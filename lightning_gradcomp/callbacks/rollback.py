@@ -182,6 +182,7 @@ class AccuracyDropRollback(Callback):
             snap["codec"] = copy.deepcopy(hook.codec.state_dict())
             snap["codec_rank"] = {k: v.detach().cpu().clone() for k, v in hook.codec.rank_state_dict().items()}
             snap["residuals"] = hook.memory.state_dict()
+            snap["momentum"] = hook.momentum_buffers.state_dict()
         self._snapshot = snap
         self.last_good_step = trainer.global_step
 
@@ -199,6 +200,7 @@ class AccuracyDropRollback(Callback):
             hook.codec.load_state_dict(copy.deepcopy(snap["codec"]))
             hook.codec.load_rank_state_dict({k: v.clone() for k, v in snap["codec_rank"].items()})
             hook.memory.load_state_dict(snap["residuals"], device=strategy.root_device)
+            hook.momentum_buffers.load_state_dict(snap.get("momentum", {}), device=strategy.root_device)
         new_limit = None
         if level is not None:
             new_limit = max(self.min_level, min(float(codec.compression_limit), self.factor * level))

@@ -96,9 +96,23 @@ class Codec:
             convolution and the classifier of a CNN), each only if it holds at most 5 % of the
             trainable parameters. In a CNN these layers are tiny (0.06 % of ResNet-18 together)
             and compression hurts them most (DGC and SOFF keep them dense too); in a small MLP the
-            first layer can be a large share of the model, and then it is compressed. ``"none"``: no layer beyond the small ones. A
-            list of ``fnmatch`` patterns of parameter names (``["fc.*", "*.downsample.*"]``),
-            which may contain ``"auto"``. A pattern that matches no parameter is an error.
+            first layer can be a large share of the model, and then it is compressed. ``"none"``:
+            no layer beyond the small ones. A list of ``fnmatch`` patterns of parameter names
+            (``["fc.*", "*.downsample.*"]``), which may contain ``"auto"``. A pattern that matches
+            no parameter is an error.
+        momentum: momentum correction (Lin et al. 2018, "Deep Gradient Compression"): each rank
+            keeps its own momentum buffer ``u <- momentum * u + g`` and the codec sends the
+            velocity, so what error feedback holds back is velocity, not raw gradient. Default 0
+            (off). When on, the optimizer must not add momentum again: use plain SGD
+            (``momentum=0``; the strategy refuses an optimizer with momentum). With a lossless
+            codec the training is exactly SGD with this momentum.
+        nesterov: with ``momentum``: send ``g + momentum * u`` (Nesterov), as ``torch.optim.SGD``.
+        weight_decay: with ``momentum``: add ``weight_decay * w`` to the gradient before the
+            momentum, as ``torch.optim.SGD`` does; set the optimizer's own to 0 then.
+        momentum_masking: with ``momentum``: zero the momentum buffer where this step sent the
+            velocity (DGC's momentum factor masking), so stale momentum does not push the sent
+            coordinates again. Default True; it applies to codecs that send a sparse subset
+            (``topk``, ``iwp``, ``lgc``) and is ignored by the others.
     """
 
     #: registry name, set by ``register_codec``
@@ -110,6 +124,11 @@ class Codec:
     #: whether the hook's per-layer choice (:meth:`should_compress`) applies; codecs that wrap a
     #: third-party hook choose their layers themselves
     supports_dense_layers: ClassVar[bool] = True
+    #: whether the hook may apply momentum correction (codecs that wrap a third-party hook cannot)
+    supports_momentum: ClassVar[bool] = True
+    #: whether this codec's reconstruction is zero outside the coordinates it sent (sparsifiers),
+    #: which is where momentum factor masking applies
+    sparse_local: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -118,6 +137,10 @@ class Codec:
         min_numel: int = 1024,
         start_step: int = 2,
         dense_layers: str | Sequence[str] = "auto",
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        momentum_masking: bool = True,
     ) -> None:
         check_positive_int("min_numel", min_numel, allow_zero=True)
         check_positive_int("start_step", start_step, allow_zero=True)
@@ -125,6 +148,16 @@ class Codec:
         self.min_numel = int(min_numel)
         self.start_step = int(start_step)
         self.dense_layers = _check_dense_layers(dense_layers, self.supports_dense_layers)
+        self.momentum = check_fraction("momentum", momentum, low_open=False, high_open=True)
+        if self.momentum and not self.supports_momentum:
+            raise ValueError("this codec keeps its own state per bucket and cannot take momentum correction (momentum must be 0)")
+        if not (isinstance(weight_decay, (int, float)) and math.isfinite(weight_decay) and weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+        if (nesterov or weight_decay) and not self.momentum:
+            raise ValueError("nesterov and weight_decay are part of momentum correction: set momentum > 0 too")
+        self.nesterov = bool(nesterov)
+        self.weight_decay = float(weight_decay)
+        self.momentum_masking = bool(momentum_masking)
         self.context: CodecContext | None = None
         self._dense_keys: frozenset[str] = frozenset()  # resolved by plan_layers()
         self._run_total_steps: int | None = None  # set by fit_to_run()

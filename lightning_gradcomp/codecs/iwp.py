@@ -132,6 +132,7 @@ class IWPCodec(Codec):
 
     collective = "allreduce"
     default_error_feedback = True
+    sparse_local = True  # momentum factor masking applies
 
     def __init__(
         self,

@@ -172,6 +172,7 @@ class LGCCodec(Codec):
     """
 
     default_error_feedback = True
+    sparse_local = True  # momentum factor masking applies
 
     def __init__(
         self,

@@ -52,6 +52,7 @@ class PowerSGDCodec(Codec):
     bucket_keyed_state = True
     # torch's hook picks the matrices it compresses by its own rule (min_compression_rate)
     supports_dense_layers = False
+    supports_momentum = False
 
     def __init__(
         self,

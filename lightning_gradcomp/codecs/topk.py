@@ -36,6 +36,7 @@ class TopKCodec(Codec):
 
     collective = "allgather"
     default_error_feedback = True
+    sparse_local = True  # momentum factor masking applies
 
     def __init__(self, ratio: float = 0.01, sample_fraction: float = 0.01, seed: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)

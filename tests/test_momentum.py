@@ -1,0 +1,88 @@
+"""Momentum correction: the codec sends velocity; with a lossless codec training is exactly SGD."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gradcomp import CompressedDDPStrategy
+from lightning_gradcomp.registry import make_codec
+
+from dist_utils import run_gloo
+
+LR, MOMENTUM, WD = 0.05, 0.9, 5e-3
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
+
+
+def _train(rank: int, world: int, codec: str, nesterov: bool, steps: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_gradcomp.api import make_comm_hook
+
+    model, ref = _mlp(), _mlp()
+    ddp, ddp_ref = DDP(model), DDP(ref)
+    options = dict(momentum=MOMENTUM, nesterov=nesterov, weight_decay=WD, min_numel=1000, dense_layers="none")
+    if codec == "topk":
+        options["ratio"] = 0.05
+    state, hook = make_comm_hook(codec, ddp, **options)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)  # momentum and weight decay live in the codec
+    opt_ref = torch.optim.SGD(ddp_ref.parameters(), lr=LR, momentum=MOMENTUM, nesterov=nesterov, weight_decay=WD)
+    gen = torch.Generator().manual_seed(3 + rank)
+    masked = []
+    for step in range(steps):
+        x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+        for m, o in ((ddp, opt), (ddp_ref, opt_ref)):
+            o.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+        if state.compressing(step) and codec == "topk":
+            key = "2.weight"  # 4,096 values, compressed: where this rank sent, its momentum restarts
+            residual = state.memory.residuals[key]
+            buffer = state.momentum_buffers.residuals[key]
+            sent = residual == 0
+            masked.append((int(sent.sum()), float(buffer[sent].abs().max()), float(buffer[~sent].abs().max())))
+    gap = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
+    return {"gap": gap, "masked": masked}
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_lossless_codec_with_momentum_correction_is_sgd_with_momentum(nesterov):
+    for r in run_gloo(_train, 2, args=("none", nesterov, 8)):
+        assert r["gap"] < 1e-5, r["gap"]
+
+
+def test_topk_masks_the_momentum_where_it_sent():
+    r = run_gloo(_train, 2, args=("topk", True, 6))[0]
+    assert r["masked"], "no compressed step"
+    for sent, on_sent, elsewhere in r["masked"]:
+        assert sent >= 205  # ceil(0.05 * 4096) positions sent
+        assert on_sent == 0.0 and elsewhere > 0.0
+    assert r["gap"] > 1e-4  # lossy: not the same trajectory as dense SGD
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="momentum must be in"):
+        make_codec("topk", momentum=1.0)
+    with pytest.raises(ValueError, match="set momentum > 0 too"):
+        make_codec("topk", nesterov=True)
+    with pytest.raises(ValueError, match="cannot take momentum correction"):
+        make_codec("powersgd", momentum=0.9)
+
+
+def test_strategy_refuses_an_optimizer_that_adds_momentum_again():
+    strategy = CompressedDDPStrategy(codec="topk", codec_options={"momentum": 0.9, "weight_decay": 5e-4})
+    params = [nn.Parameter(torch.zeros(3))]
+    strategy.optimizers = [torch.optim.SGD(params, lr=0.1, momentum=0.9)]
+    with pytest.raises(ValueError, match="optimizer must not add its own: SGD has momentum=0.9"):
+        strategy._check_optimizer_momentum()
+    strategy.optimizers = [torch.optim.SGD(params, lr=0.1, weight_decay=5e-4)]
+    with pytest.raises(ValueError, match="weight_decay=0"):
+        strategy._check_optimizer_momentum()
+    strategy.optimizers = [torch.optim.SGD(params, lr=0.1)]
+    strategy._check_optimizer_momentum()
