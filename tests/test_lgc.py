@@ -333,3 +333,46 @@ def test_rel_error_includes_the_autoencoder_error(ae_error_feedback):
             assert err_sq == pytest.approx(residual_sq, rel=1e-6)
         else:  # the residual keeps only what is off the support; the statistic adds the AE's error
             assert err_sq > 1.01 * residual_sq
+
+
+# --------------------------------------------------------------------------------------------------
+# the headline usage: CompressedDDPStrategy(codec="lgc") with no callback fits its stages to the run
+class StagesSeen(Callback):
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.stages: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        state = trainer.strategy.hook_state
+        self.stages.append(trainer.strategy.codec.stage(state.step - 1))
+
+    def on_train_end(self, trainer, pl_module):
+        codec = trainer.strategy.codec
+        record = {"stages": self.stages, "total": codec.run_total_steps, "trained": codec.ae_trained}
+        Path(self.out_dir, f"stages{trainer.global_rank}.json").write_text(__import__("json").dumps(record))
+
+
+def test_default_stages_are_fractions_of_the_run(tmp_path):
+    import json
+
+    from lightning.pytorch import Trainer
+
+    from lightning_gradcomp import CompressedDDPStrategy
+
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=CompressedDDPStrategy(codec="lgc", codec_options={"dense_layers": "none"}, start_method="spawn"),
+        max_steps=40,
+        callbacks=[StagesSeen(str(tmp_path))],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(MLPModule())
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"stages{rank}.json").read_text())
+        # 40 steps: stage 1 for 0.05 of them (2 steps), stage 2 for 0.1 (4 steps), then the AE
+        assert seen["total"] == 40 and seen["trained"]
+        assert seen["stages"] == [1] * 2 + [2] * 4 + [3] * 34

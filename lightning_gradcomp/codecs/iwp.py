@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gradcomp.codecs.base import Codec, CodecContext, EncodeResult, check_choice, check_fraction
+from lightning_gradcomp.codecs.base import Codec, CodecContext, DensityWarmup, EncodeResult, check_choice, check_fraction
 from lightning_gradcomp.codecs.positions import ENCODINGS, choose_encoding, decode_positions, encode_positions, encoded_nbytes
 from lightning_gradcomp.codecs.sampling import select_top
 from lightning_gradcomp.registry import register_codec
@@ -126,6 +126,11 @@ class IWPCodec(Codec):
             keeps its own ``ceil(keep_fraction * n_l)``.
         sample_fraction: fraction of entries sampled to estimate the selection threshold
             (default 0.01; 0 means exact ``torch.topk``). Affects speed only, see :func:`select_top`.
+        density_warmup: DGC's warm-up of sparsity: over this many compressed steps (an int) or
+            this fraction of the run (a float in (0, 1)) the kept fraction shrinks exponentially
+            from ``density_warmup_start`` to ``keep_fraction`` (see :class:`DensityWarmup`).
+            Default 0: off.
+        density_warmup_start: the kept fraction the warm-up starts from (default 0.25, DGC's).
         **kwargs: the common codec options (``error_feedback`` on by default, ``min_numel``,
             ``start_step``).
     """
@@ -143,9 +148,13 @@ class IWPCodec(Codec):
         eps: float = 1e-6,
         scope: str = "bucket",
         sample_fraction: float = 0.01,
+        density_warmup: int | float = 0,
+        density_warmup_start: float = 0.25,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self._density = DensityWarmup(density_warmup, density_warmup_start)
+        self.density_warmup, self.density_warmup_start = self._density.steps, self._density.start
         self.keep_fraction = check_fraction("keep_fraction", keep_fraction)
         self.index_encoding = check_choice("index_encoding", index_encoding, ENCODINGS)
         self.root = check_choice("root", root, ROOTS)
@@ -172,8 +181,12 @@ class IWPCodec(Codec):
                 f"process group of {context.world_size} of the {dist.get_world_size()} ranks"
             )
 
-    def k_for(self, numel: int) -> int:
-        return max(1, min(numel, math.ceil(self.keep_fraction * numel)))
+    def k_for(self, numel: int, step: int | None = None) -> int:
+        """Entries kept of a selection group of ``numel`` at ``step`` (``None``: after any warm-up)."""
+        keep = self.keep_fraction
+        if step is not None:
+            keep = self._density.fraction(keep, step, self.start_step, self.run_total_steps)
+        return max(1, min(numel, math.ceil(keep * numel)))
 
     def _groups(self, layers: list[tuple[str, Tensor, Tensor]]) -> list[list[tuple[str, Tensor, Tensor]]]:
         return [layers] if self.scope == "bucket" else [[layer] for layer in layers]
@@ -199,7 +212,7 @@ class IWPCodec(Codec):
         root = root_rank(step, world, self.root, self.seed)
         groups = self._groups(layers)
         sizes = [sum(x.numel() for _, x, _ in g) for g in groups]
-        ks = [self.k_for(n) for n in sizes]
+        ks = [self.k_for(n, step) for n in sizes]
         encs = [choose_encoding(self.index_encoding, k, n) for k, n in zip(ks, sizes)]
         nbytes = [encoded_nbytes(e, k, n) for e, k, n in zip(encs, ks, sizes)]
         device = layers[0][1].device

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.codecs.base import Codec, EncodeResult, check_fraction
+from lightning_gradcomp.codecs.base import Codec, DensityWarmup, EncodeResult, check_fraction
 from lightning_gradcomp.codecs.sampling import seeded_generator, select_top
 from lightning_gradcomp.registry import register_codec
 
@@ -31,6 +31,10 @@ class TopKCodec(Codec):
         sample_fraction: size of the random sample that estimates the selection threshold; the
             selection is exact either way, this only changes speed (0: plain ``torch.topk``).
         seed: seed of that sample.
+        density_warmup: DGC's warm-up of sparsity: over this many compressed steps (an int) or
+            this fraction of the run (a float in (0, 1)) the kept fraction shrinks exponentially
+            from ``density_warmup_start`` to ``ratio`` (see :class:`DensityWarmup`). Default 0: off.
+        density_warmup_start: the kept fraction the warm-up starts from (default 0.25, DGC's).
         **kwargs: the common codec options; error feedback is on by default.
     """
 
@@ -38,17 +42,29 @@ class TopKCodec(Codec):
     default_error_feedback = True
     sparse_local = True  # momentum factor masking applies
 
-    def __init__(self, ratio: float = 0.01, sample_fraction: float = 0.01, seed: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        ratio: float = 0.01,
+        sample_fraction: float = 0.01,
+        seed: int = 0,
+        density_warmup: int | float = 0,
+        density_warmup_start: float = 0.25,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
+        self._density = DensityWarmup(density_warmup, density_warmup_start)
+        self.density_warmup, self.density_warmup_start = self._density.steps, self._density.start
         self.ratio = check_fraction("ratio", ratio)
         self.sample_fraction = check_fraction("sample_fraction", sample_fraction, low_open=False)
         self.seed = int(seed)
 
-    def k_for(self, numel: int) -> int:
-        return max(1, min(numel, math.ceil(self.ratio * numel)))
+    def k_for(self, numel: int, step: int | None = None) -> int:
+        """Entries kept of a layer of ``numel`` at ``step`` (``None``: after any warm-up)."""
+        ratio = self.ratio if step is None else self._density.fraction(self.ratio, step, self.start_step, self.run_total_steps)
+        return max(1, min(numel, math.ceil(ratio * numel)))
 
     def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
-        k = self.k_for(x.numel())
+        k = self.k_for(x.numel(), step)
         # exact top-k, found through a sampled threshold (torch.topk over millions of entries
         # costs more than a step's budget on a CPU core; see sampling.select_top)
         gen = seeded_generator(self.seed, self.rank, step, key, x.device)
