@@ -205,8 +205,15 @@ def make_module(args: argparse.Namespace):
             self.validated_at = self.global_step
 
         def configure_optimizers(self) -> Any:
-            opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9, nesterov=True,
-                                  weight_decay=self.hparams.weight_decay)
+            codec = getattr(self.trainer.strategy, "codec", None)
+            if codec is not None and getattr(codec, "momentum", 0):
+                # momentum correction: the codec applies momentum (and weight decay, if it has it)
+                # before compressing, so the optimizer must not apply them again
+                wd = 0.0 if codec.weight_decay else self.hparams.weight_decay
+                opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, weight_decay=wd)
+            else:
+                opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9, nesterov=True,
+                                      weight_decay=self.hparams.weight_decay)
             total = max(1, int(self.trainer.estimated_stepping_batches))
             warmup = max(1, min(500, total // 20))
             cosine = lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total)))  # noqa: E731
