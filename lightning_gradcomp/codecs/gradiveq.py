@@ -139,7 +139,12 @@ def fit_pca(x: Tensor, k: int | None, explained_variance: float | None, center: 
 
 def _top_directions(x: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
     """The ``k`` leading right singular directions of ``x`` (``S x d``) as fp32 columns (``d x k``),
-    from the ``d x d`` second moment in float64 (cheap for small ``d``), largest entry positive."""
+    from the ``d x d`` second moment in float64 (cheap for small ``d``), largest entry positive.
+
+    ``x`` is scaled by its largest magnitude first: the directions do not change, and the fp32
+    products cannot overflow (values near 1e20 would square past fp32's range)."""
+    amax = x.abs().max()
+    x = x / torch.where((amax > 0) & torch.isfinite(amax), amax, torch.ones_like(amax))  # no host sync
     gram = (x.T @ x).to(torch.float64)
     _, vecs = torch.linalg.eigh(gram)  # ascending
     u = vecs[:, -k:].flip(1)
