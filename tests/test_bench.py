@@ -668,6 +668,18 @@ def test_tta_target_drop_hosts_and_missing_none():
         tta.compute(acc, link_data, ["100mbit"])
 
 
+def test_tta_given_target_level_replaces_none_final_metric():
+    acc, link_data = _tta_inputs()
+    result = tta.compute(acc, link_data, ["100mbit"], hosts=2, target=0.3, target_drop=0.2)
+    got = {r["codec"]: r for r in result["rows"]}
+    assert result["meta"]["target"] == pytest.approx(0.3) and result["meta"]["target_given"]
+    assert result["meta"]["target_drop"] == 0.0  # a given level is not shifted again
+    # topk, which never reaches none's final accuracy, reaches 0.3 at its last validation
+    assert got["topk"]["steps_to_target"] == 150 and got["topk"]["tta_s"] == pytest.approx(195)
+    assert got["none"]["steps_to_target"] == 100 and got["powersgd"]["steps_to_target"] == 50
+    assert "0.3000 (given)" in result["meta"]["caption"]
+
+
 def test_tta_command_writes_json_csv_and_table(tmp_path, capsys):
     acc, link_data = _tta_inputs()
     (tmp_path / "acc.json").write_text(json.dumps(acc))
