@@ -24,6 +24,7 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 # the real data sets beside the repository; LIGHTNING_GRADCOMP_DATA points elsewhere
 SHARED = Path(os.environ.get("LIGHTNING_GRADCOMP_DATA", REPO.parent / "shared" / "data"))
+MOMENTUM_CORRECTION = {"momentum": 0.9, "nesterov": True, "weight_decay": 5e-4}
 GRADCOMP_TAGS = ("compression_ratio", "bytes_sent", "rel_error", "encode_ms", "decode_ms", "comm_ms", "phase")
 
 
@@ -112,9 +113,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         "pspnet": start("pspnet_camvid.py", "--data-dir", str(camvid), "--crop-size", "32", "--batch-size", "2",
                         "--max-steps", "3", "--log-dir", str(tmp / "tb_psp"), "--metrics-json", str(tmp / "pspnet.json"),
                         *common, cwd=tmp),
+        # momentum correction: the recipe then builds plain SGD (the strategy refuses one with momentum)
         "cifar": start("resnet_cifar10.py", "--data-dir", str(cifar), "--model", "resnet10", "--batch-size", "2",
                        "--max-steps", "3", "--log-dir", str(tmp / "tb_cifar"), "--metrics-json", str(tmp / "cifar.json"),
-                       *common, cwd=tmp),
+                       "--codec-options", json.dumps(MOMENTUM_CORRECTION), *common, cwd=tmp),
     }
     out = {}
     for name, proc in jobs.items():
@@ -163,10 +165,15 @@ def test_resnet_cifar10_and_resume(runs):
     saved = torch.load(last, map_location="cpu", weights_only=False)
     assert saved["global_step"] == 3
     assert saved["gradcomp"]["world_size"] == 2 and len(saved["gradcomp"]["ranks"]) == 2  # both ranks' residuals
+    for rank_state in saved["gradcomp"]["ranks"]:  # and both ranks' momentum buffers, one per parameter
+        momentum = {k for k in rank_state if k.startswith("momentum.")}
+        assert len(momentum) == len(saved["optimizer_states"][0]["param_groups"][0]["params"])
+    assert all("momentum_buffer" not in s for s in saved["optimizer_states"][0]["state"].values())
     # resume: the step counter, the codec step and residuals continue; two more steps compress at once
     tmp = r["tmp"]
     proc = start("resnet_cifar10.py", "--data-dir", str(r["cifar"]), "--model", "resnet10", "--batch-size", "2",
                  "--max-steps", "5", "--ckpt-path", str(last), "--log-dir", str(tmp / "tb_resume"),
+                 "--codec-options", json.dumps(MOMENTUM_CORRECTION),
                  "--metrics-json", str(tmp / "resume.json"), cwd=tmp)
     check_ok(finish(proc))
     resumed = json.loads((tmp / "resume.json").read_text())
