@@ -28,6 +28,13 @@ rest of the run when its compressed cost exceeds its dense cost by more than ``m
 and ``min_gain_ms`` (absolute). A bucket that falls back sends its residual with its next
 gradient, so nothing compression had deferred is lost. The decision is logged and counted in
 ``gradcomp/fallback_buckets``.
+
+Clocks (:mod:`lightning_gradcomp.timing`): on a CPU every time is a ``perf_counter`` reading. On
+CUDA the per-bucket times are CUDA events recorded on the current stream (hook body start and end,
+the collective's completion in its callback), read only at the next step's start; the step clock
+reads the host clock after one ``torch.cuda.synchronize`` at the start of each step, and only
+while the policy is still timing (a few steps at the start of compression), so the step times are
+those of the work itself, not of its launch.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_gradcomp.timing import Clock, Mark, clock_for
 
 __all__ = ["FallbackPolicy", "default_enabled"]
 
@@ -101,11 +110,24 @@ class FallbackPolicy:
         # set once the compressed probe is not a clear win: (averaged compressed bucket costs, step)
         self._plain_probe: tuple[list[str], list[float], float] | None = None
         self._probe_dense: dict[str, list[float]] = {}
+        self._device = torch.device("cpu")
+        # this step's buckets: (key, compressed, plain probe, body start, body end, done) marks,
+        # read at the next step's start (on CUDA they are events, not yet readable in the hook)
+        self._marks: list[tuple[str, bool, bool, Mark, Mark, Mark]] = []
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d.pop("_lock")
+        d["_marks"] = []  # CUDA events do not pickle; a pickled policy starts a fresh step
         return d
+
+    def use_device(self, device: torch.device) -> None:
+        """Time the work of ``device`` (CUDA events on a GPU, the host clock on a CPU)."""
+        self._device = torch.device(device)
+
+    @property
+    def clock(self) -> Clock:
+        return clock_for(getattr(self, "_device", torch.device("cpu")))
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
@@ -117,37 +139,70 @@ class FallbackPolicy:
     def wants_timing(self) -> bool:
         return self.enabled and not self.decided
 
-    def start_step(self, exclude_s: float = 0.0) -> None:
+    def start_step(self, exclude_s: float | tuple[Mark, Mark] = 0.0) -> None:
         """A new step begins (its first bucket is ready); ``exclude_s``: time since the previous
-        step's end that was not the step's own (the codec's step-end work)."""
+        step's end that was not the step's own (the codec's step-end work), in seconds or as the
+        two marks of this clock around it."""
+        clock = self.clock
+        timing = self.wants_timing()
+        if timing:
+            # CUDA: the one wait of the step, and only while timing, so that the host clock below
+            # measures the previous step's work and every mark of it can be read
+            clock.synchronize()
+        if isinstance(exclude_s, tuple):
+            exclude_s = clock.elapsed(*exclude_s) if timing else 0.0
         now = time.perf_counter()
         with self._lock:
+            marks, self._marks = self._marks, []
+            self._prev_done = 0.0
+            if timing:
+                for entry in marks:
+                    self._record(clock, *entry)
             self._prev_done = 0.0
             if self.wants_timing() and self._step_start is not None and self._step_kind is not None:
                 self.step_times[self._step_kind].append(now - self._step_start - exclude_s)
             self._step_start, self._step_kind = now, None
 
-    def track(self, fut: torch.futures.Future, bucket_key: str, compressed: bool, body_start: float) -> torch.futures.Future:
-        """Chain a timing callback onto a bucket's future; the future's value is unchanged."""
-        body_end = time.perf_counter()
+    def track(
+        self, fut: torch.futures.Future, bucket_key: str, compressed: bool, body_start: Mark
+    ) -> torch.futures.Future:
+        """Chain a timing callback onto a bucket's future; the future's value is unchanged.
+        ``body_start`` is a mark of :attr:`clock` taken when the hook body began."""
+        clock = self.clock
+        body_end = clock.mark()
         with self._lock:
             if compressed or self._step_kind is None:
                 self._step_kind = "compressed" if compressed else "plain_probe" if self._plain_probe else "dense"
+            plain_probe = self._plain_probe is not None
 
         def record(f: torch.futures.Future) -> torch.Tensor:
-            done = time.perf_counter()
+            done = clock.mark()  # in the callback the current stream follows the collective
             with self._lock:
-                link = done - max(body_end, self._prev_done)
-                self._prev_done = max(self._prev_done, done)
-                if compressed:
-                    self.comp_costs.setdefault(bucket_key, []).append((body_end - body_start) + link)
-                elif self._plain_probe is not None:
-                    self._probe_dense.setdefault(bucket_key, []).append(link)
-                else:
-                    self.dense_cost[bucket_key] = link
+                self._marks.append((bucket_key, compressed, plain_probe, body_start, body_end, done))
             return f.value()
 
         return fut.then(record)
+
+    def _record(
+        self,
+        clock: Clock,
+        bucket_key: str,
+        compressed: bool,
+        plain_probe: bool,
+        body_start: Mark,
+        body_end: Mark,
+        done: Mark,
+    ) -> None:
+        """One bucket's costs from its marks (called in completion order, under the lock)."""
+        start_s, end_s, done_s = clock.seconds(body_start), clock.seconds(body_end), clock.seconds(done)
+        link = done_s - max(end_s, self._prev_done)
+        self._prev_done = max(self._prev_done, done_s)
+        if compressed:
+            self.comp_costs.setdefault(bucket_key, []).append((end_s - start_s) + link)
+        elif plain_probe:
+            self._probe_dense.setdefault(bucket_key, []).append(link)
+        else:
+            self.dense_cost[bucket_key] = link
 
     def maybe_decide(self, process_group: dist.ProcessGroup | None, device: torch.device) -> list[str] | None:
         """Decide once every timed bucket has ``probe_steps`` compressed samples, or after the plain
@@ -197,10 +252,11 @@ class FallbackPolicy:
         if dist.is_initialized() and dist.get_world_size(process_group) > 1:
             dist.all_reduce(costs, group=process_group)
             world = dist.get_world_size(process_group)
-            if int(round(float(costs[-1]) / world)) != n_keys:
-                raise RuntimeError("ranks timed different bucket layouts; cannot agree on a fallback decision")
             costs = costs / world
-        return [float(c) for c in costs[:-1]]
+        values = costs.tolist()  # once per decision, not per bucket
+        if int(round(values[-1])) != n_keys:
+            raise RuntimeError("ranks timed different bucket layouts; cannot agree on a fallback decision")
+        return values[:-1]
 
     def _finish(
         self,

@@ -28,7 +28,6 @@ to step with the zeroed gradient (``"zero"``) or to stop (``"raise"``).
 """
 
 import threading
-import time
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from lightning_gradcomp.fallback import FallbackPolicy
 from lightning_gradcomp.comm import allgather_async, allreduce_async, pack, unpack, wire_bytes
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.stats import StatsAccumulator
+from lightning_gradcomp.timing import Span, clock_for
 
 __all__ = ["CodecHookState", "codec_hook", "check_codec_consistency", "NONFINITE_POLICIES"]
 
@@ -175,23 +175,27 @@ class CodecHookState:
 
     # ----------------------------------------------------------------------------------------------
     def process_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        buf = bucket.buffer()
+        fallback = self.fallback
+        fallback.use_device(buf.device)
         if self._step_end_pending:
             # the previous step's futures have all completed (DDP waited for them), so step-end
             # work (refitting a basis, training an autoencoder) may run collectives here safely
             self._step_end_pending = False
-            step_end_start = time.perf_counter()
+            timing = fallback.wants_timing()
+            step_end_start = fallback.clock.mark() if timing else 0.0
             self.codec.on_step_end(self.step - 1)
             # a refit or an autoencoder's training is not what the fallback compares
-            self.fallback.start_step(exclude_s=time.perf_counter() - step_end_start)
-            fell_back = self.fallback.maybe_decide(self.process_group, _group_device(self.process_group))
+            fallback.start_step(exclude_s=(step_end_start, fallback.clock.mark()) if timing else 0.0)
+            fell_back = fallback.maybe_decide(self.process_group, _group_device(self.process_group))
             if fell_back is not None:
                 self.stats.set_extra(fallback_buckets=len(fell_back))
-        body_start = time.perf_counter()
+        body_start = fallback.clock.mark() if fallback.wants_timing() else 0.0
         step = self.step
-        buf = bucket.buffer()
         world = self.world_size
-        # one cheap pass: the sum is finite iff every element is (barring fp32 overflow of the sum)
-        flag = 0.0 if bool(torch.isfinite(buf.sum(dtype=torch.float32))) else 1.0
+        # one cheap pass: the sum is finite iff every element is (barring fp32 overflow of the sum);
+        # it stays on the device and travels in the message, so no rank waits for it here
+        flag = torch.isfinite(buf.sum(dtype=torch.float32)).logical_not().to(torch.float32).reshape(1)
         keys = [self.key_of(p) for p in bucket.parameters()]
         layers = list(zip(keys, bucket.gradients(), bucket.parameters()))
         bucket_key = f"{keys[0]}..{keys[-1]}[{len(keys)}]" if keys else "empty"
@@ -221,7 +225,7 @@ class CodecHookState:
         self.momentum_buffers.stage(key, u)
         return d.add(u, alpha=codec.momentum) if codec.nesterov else u.clone()
 
-    def _dense(self, buf: Tensor, layers: list, flag: float, world: int, step: int) -> torch.futures.Future:
+    def _dense(self, buf: Tensor, layers: list, flag: Tensor, world: int, step: int) -> torch.futures.Future:
         """Plain averaging all-reduce of the bucket, residuals flushed into it, codec observing."""
         codec, memory = self.codec, self.memory
         if codec.momentum:
@@ -236,7 +240,7 @@ class CodecHookState:
         n = buf.numel()
         msg = torch.empty(n + 1, dtype=buf.dtype, device=buf.device)
         torch.div(buf.reshape(-1), world, out=msg[:n])
-        msg[n] = flag
+        msg[n:] = flag
         nbytes = msg.numel() * msg.element_size()
         self.stats.add(
             buckets=1,
@@ -245,12 +249,14 @@ class CodecHookState:
             wire_bytes=wire_bytes("allreduce", nbytes, world),
             raw_wire_bytes=wire_bytes("allreduce", buf.numel() * buf.element_size(), world),
         )
-        launched = time.perf_counter()
+        clock = clock_for(buf.device)
+        launched = clock.mark()
         observe = [(k, g) for k, g, p in layers if codec.should_compress(k, p)]
 
         def finish(fut: torch.futures.Future) -> Tensor:
             t = self._received(fut, step)
-            self.stats.add(comm_s=time.perf_counter() - launched)
+            self.stats.add(comm_s=Span(clock, launched, clock.mark()))
+            # the one host sync of the bucket: whether to keep it is decided on the host
             if float(t[n]) > 0:
                 buf.zero_()
                 memory.discard(flushed)
@@ -270,10 +276,11 @@ class CodecHookState:
         return allreduce_async(msg, self.process_group).then(finish)
 
     # ----------------------------------------------------------------------------------------------
-    def _compressed(self, buf: Tensor, layers: list, flag: float, world: int, step: int) -> torch.futures.Future:
+    def _compressed(self, buf: Tensor, layers: list, flag: Tensor, world: int, step: int) -> torch.futures.Future:
         codec, memory, stats = self.codec, self.memory, self.stats
         sample = step % self.stats_every == 0
-        t0 = time.perf_counter()
+        clock = clock_for(buf.device)
+        t0 = clock.mark()
         dense_grads: list[Tensor] = []
         inputs: list[tuple[str, Tensor, Tensor, Tensor]] = []  # key, grad view, flat fp32 input, param
         for k, g, p in layers:
@@ -291,7 +298,9 @@ class CodecHookState:
         masking = codec.momentum and codec.momentum_masking and codec.sparse_local
         extra_bytes = codec.prepare_bucket([(k, x, p) for k, _, x, p in inputs], step) if inputs else 0
         encoded: list[EncodeResult] = []
-        err_sq = ref_sq = 0.0
+        # error sums stay on the device (0-d tensors) until the statistics are read
+        err_sq: Tensor | float = 0.0
+        ref_sq: Tensor | float = 0.0
         for k, g, x, p in inputs:
             enc = codec.encode(x, k, p, step)
             encoded.append(enc)
@@ -304,13 +313,13 @@ class CodecHookState:
                     memory.stage(k, diff)
                 if sample:
                     sent_diff = diff if enc.sent is None else x - enc.sent
-                    err_sq += float(sent_diff.double().pow(2).sum())
-                    ref_sq += float(x.double().pow(2).sum())
+                    err_sq = err_sq + sent_diff.double().pow(2).sum()
+                    ref_sq = ref_sq + x.double().pow(2).sum()
         if dense_grads:
             dense = torch.cat([g.reshape(-1) for g in dense_grads]).to(torch.float32).div_(world)
         else:
             dense = torch.zeros(0, dtype=torch.float32, device=buf.device)
-        flag_t = torch.full((1,), flag, dtype=torch.float32, device=buf.device)
+        flag_t = flag
         keys = [k for k, _, _, _ in inputs]
         all_keys = [k for k, _, _ in layers]
         if codec.collective == "allreduce":
@@ -325,7 +334,7 @@ class CodecHookState:
             fut = allgather_async(msg, self.process_group)
         else:
             raise ValueError(f"codec {codec.name!r} declares unknown collective {codec.collective!r}")
-        t1 = time.perf_counter()
+        t1 = clock.mark()
         stats.add(
             buckets=1,
             compressed=True,
@@ -333,7 +342,7 @@ class CodecHookState:
             payload_bytes=nbytes + extra_bytes,
             wire_bytes=wire_bytes(codec.collective, nbytes, world) + wire_bytes("broadcast", extra_bytes, world),
             raw_wire_bytes=wire_bytes("allreduce", buf.numel() * buf.element_size(), world),
-            encode_s=t1 - t0,
+            encode_s=Span(clock, t0, t1),
             err_sq=err_sq,
             ref_sq=ref_sq,
         )
@@ -345,14 +354,15 @@ class CodecHookState:
                 off += g.numel()
 
         def finish(fut: torch.futures.Future) -> Tensor:
-            t2 = time.perf_counter()
-            stats.add(comm_s=t2 - t1)
+            t2 = clock.mark()
+            stats.add(comm_s=Span(clock, t1, t2))
             received = self._received(fut, step)
             if codec.collective == "allreduce":
                 t = received
                 # every rank received the same sum, so checking it decides identically everywhere:
-                # this also catches an overflow of a narrow wire format (fp16 beyond 65504)
-                if float(t[-1]) > 0 or not bool(torch.isfinite(t).all()):
+                # this also catches an overflow of a narrow wire format (fp16 beyond 65504). The
+                # bucket's one host sync: keeping or discarding it is decided on the host.
+                if bool((t[-1] > 0).logical_or(torch.isfinite(t).all().logical_not())):
                     return self._discard(buf, keys, step, all_keys)
                 off = 0
                 for (k, g, x, p), enc in zip(inputs, encoded):
@@ -364,7 +374,8 @@ class CodecHookState:
                 write_dense(t[off : off + dense.numel()].float())
             else:
                 rows = [unpack(r, layout) for r in received]
-                if sum(float(r[-1][0]) for r in rows) > 0:
+                # host sync 1 of 2: every rank's flag, before any decode sees a non-finite payload
+                if bool(torch.stack([r[-1][0] for r in rows]).sum() > 0):
                     return self._discard(buf, keys, step, all_keys)
                 off = 0
                 for (k, g, x, p), enc in zip(inputs, encoded):
@@ -374,11 +385,13 @@ class CodecHookState:
                     off += m
                 if dense_grads:
                     write_dense(torch.stack([r[-2] for r in rows]).sum(0))
-                if not bool(torch.isfinite(buf).all()):  # decoded from identical rows: same verdict everywhere
+                # host sync 2 of 2: an overflow in decoding; decoded from identical rows, so the
+                # verdict is the same everywhere
+                if not bool(torch.isfinite(buf).all()):
                     return self._discard(buf, keys, step, all_keys)
             memory.commit(keys)
             self.momentum_buffers.commit(all_keys)
-            stats.add(decode_s=time.perf_counter() - t2)
+            stats.add(decode_s=Span(clock, t2, clock.mark()))
             return buf
 
         return fut.then(finish)

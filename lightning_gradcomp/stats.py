@@ -3,6 +3,10 @@
 The hook runs inside backward (and its decode step on communication threads), where logging is
 not possible; it only adds numbers here. :class:`~lightning_gradcomp.callbacks.CompressionMonitor`
 pops one step's totals after the optimizer step and logs them under ``gradcomp/``.
+
+Timings and error sums may arrive unresolved (a :class:`~lightning_gradcomp.timing.Span` of CUDA
+events, a 0-d tensor on the GPU): reading them would stall the stream inside backward, so they are
+kept as they are and turned into numbers when the step's totals are popped.
 """
 
 from __future__ import annotations
@@ -10,6 +14,10 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field, fields
+
+import torch
+
+from lightning_gradcomp.timing import Span, resolve
 
 __all__ = ["StepStats", "StatsAccumulator"]
 
@@ -31,6 +39,8 @@ class StepStats:
     compressed: bool = False
     nonfinite: bool = False
     extra: dict = field(default_factory=dict)
+    #: values added unresolved (spans of CUDA events, device tensors), resolved by ``pop``
+    pending: list = field(default_factory=list, repr=False)
 
     @property
     def compression_ratio(self) -> float:
@@ -75,6 +85,8 @@ class StatsAccumulator:
             for k, v in values.items():
                 if k in ("compressed", "nonfinite"):
                     setattr(self._current, k, getattr(self._current, k) or bool(v))
+                elif isinstance(v, (Span, torch.Tensor)):
+                    self._current.pending.append((k, v))
                 else:
                     setattr(self._current, k, getattr(self._current, k) + v)
 
@@ -87,13 +99,17 @@ class StatsAccumulator:
         """Return the statistics gathered since the last call, or ``None`` if no bucket ran."""
         with self._lock:
             cur, self._current = self._current, StepStats()
+        # outside the lock and outside backward: waiting for the device is harmless here
+        for k, v in cur.pending:
+            setattr(cur, k, getattr(cur, k) + resolve(v))
+        cur.pending = []
         if cur.buckets == 0:
             if cur.extra:  # keep codec scalars for the next step that communicates
                 self._current.extra.update(cur.extra)
             return None
         self.last = cur
         for f in fields(StepStats):
-            if f.name in ("compressed", "nonfinite", "extra"):
+            if f.name in ("compressed", "nonfinite", "extra", "pending"):
                 continue
             setattr(self.totals, f.name, getattr(self.totals, f.name) + getattr(cur, f.name))
         return cur

@@ -7,7 +7,16 @@ one rank the collectives return at once, so the time spent inside the hook per o
 the codec's own cost (encode + decode + the hook's bookkeeping). ``none`` gives the cost of the
 hook without any codec (a copy and a division); ``over none`` is what the codec adds to it.
 
-Throughput is the gradient's size (fp32 bytes of all parameters DDP reduces) divided by that time.
+Throughput is the gradient's size (fp32 bytes of all parameters DDP reduces) divided by that time,
+and ``of mem BW`` is that throughput as a fraction of the device's memory bandwidth
+(``--mem-bandwidth-gbs``): a codec that reads and writes the gradient a few times cannot go faster
+than a few times the gradient's size over that bandwidth.
+
+``--device cuda`` runs the model on the GPU with a one-rank NCCL group and times the hook with CUDA
+events on the current stream (:mod:`lightning_gradcomp.timing`), so asynchronous kernels are timed
+when they run, not when they are launched. ``torch-powersgd`` is torch's own ``powerSGD_hook``
+(rank 1, compressing from step 2) registered directly on the same model and gradients, beside the
+package's codecs.
 """
 
 from __future__ import annotations
@@ -16,7 +25,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +33,14 @@ from lightning_gradcomp.bench.results import Column, format_table, machine_info,
 __all__ = ["COLUMNS", "add_arguments", "main", "measure_codec"]
 
 _NEVER = 10**12
+#: torch's own PowerSGD hook, registered directly (not a codec of this package)
+TORCH_POWERSGD = "torch-powersgd"
+#: HBM3 bandwidth of an H100 SXM, the default for ``--device cuda``
+H100_SXM_GBS = 3350.0
 
 COLUMNS = [
     Column("model", "model"),
+    Column("device", "device"),
     Column("codec", "codec"),
     Column("grad_mb", "grad MB", "{:.1f}"),
     Column("hook_ms", "hook ms/step", "{:.1f}"),
@@ -35,6 +48,7 @@ COLUMNS = [
     Column("encode_ms", "encode ms", "{:.1f}"),
     Column("decode_ms", "decode ms", "{:.1f}"),
     Column("throughput_mb_s", "MB/s", "{:.0f}"),
+    Column("mem_bw_fraction", "of mem BW", "{:.4f}"),
     Column("compression_ratio", "ratio", "{:.1f}"),
     Column("rel_error", "rel err", "{:.3f}"),
 ]
@@ -43,7 +57,22 @@ COLUMNS = [
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codecs", default=None, help="comma list (default: the link benchmark's default list)")
     p.add_argument("--codec-options", default="{}", help='JSON {"codec": {option: value}}')
-    p.add_argument("--models", default="resnet18,pspnet", help="comma list of resnet18, pspnet, tiny")
+    p.add_argument(
+        "--models",
+        "--model",
+        dest="models",
+        default="resnet18,pspnet",
+        help="comma list of resnet18 (CIFAR shape), resnet50 (ImageNet shape, 224x224, batch 32), pspnet, tiny",
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model and the codecs run")
+    p.add_argument(
+        "--mem-bandwidth-gbs",
+        type=float,
+        default=None,
+        help=f"the device's memory bandwidth in GB/s, to report each codec's throughput as a fraction of it "
+        f"(default for cuda: {H100_SXM_GBS:g}, an H100 SXM's HBM3; none for cpu)",
+    )
+    p.add_argument("--no-torch-powersgd", action="store_true", help=f"leave out the {TORCH_POWERSGD!r} row")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--image-size", type=int, default=None)
     p.add_argument("--warmup", type=int, default=3)
@@ -52,11 +81,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench_results/codecs")
 
 
-def _init_single_process_group() -> None:
+def _init_single_process_group(device: str = "cpu") -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        if device == "cuda":
+            import torch
+
+            torch.cuda.set_device(0)
+            dist.init_process_group(
+                "nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0)
+            )
+        else:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def measure_codec(name: str, options: dict[str, Any], model_name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -66,40 +103,60 @@ def measure_codec(name: str, options: dict[str, Any], model_name: str, args: arg
 
     from lightning_gradcomp.api import make_comm_hook
     from lightning_gradcomp.bench.models import DEFAULT_BATCH, build_model, loss_fn, synthetic_batch
+    from lightning_gradcomp.timing import clock_for
 
-    _init_single_process_group()
+    device_name = getattr(args, "device", "cpu")
+    _init_single_process_group(device_name)
+    device = torch.device("cuda", 0) if device_name == "cuda" else torch.device("cpu")
+    clock = clock_for(device)
     torch.manual_seed(0)
-    model = build_model(model_name)
-    ddp = DistributedDataParallel(model, init_sync=False)
-    # fallback off: in a one-rank group a plain all-reduce is free and would always win
-    state, hook = make_comm_hook(name, ddp, stats_every=_NEVER, fallback=False, **options)
-    spent = [0.0]
+    model = build_model(model_name).to(device)
+    ddp = DistributedDataParallel(model, device_ids=[0] if device.type == "cuda" else None, init_sync=False)
+    if name == TORCH_POWERSGD:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+        state = torch_powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        hook = torch_powersgd.powerSGD_hook
+        stats = None
+    else:
+        # fallback off: in a one-rank group a plain all-reduce is free and would always win
+        state, hook = make_comm_hook(name, ddp, stats_every=_NEVER, fallback=False, **options)
+        stats = state
+    marks: list = []
 
     def timed_hook(st, bucket):  # no annotations: DDP checks them
-        t0 = time.perf_counter()
+        start = clock.mark()
         fut = hook(st, bucket)
         fut.wait()  # completed already with one rank; waiting makes sure decode is inside the time
-        spent[0] += time.perf_counter() - t0
+        marks.append((start, clock.mark()))
         return fut
 
     ddp.register_comm_hook(state, timed_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     x, y = synthetic_batch(model_name, args.batch_size or DEFAULT_BATCH[model_name], args.image_size)
+    x, y = x.to(device), y.to(device)
+    raw_grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     # by name: a learned codec's is_compressing() is False until its basis or autoencoder exists
-    will_compress = state.codec.name != "none"
+    will_compress = name != "none"
     measured: list[dict[str, float]] = []
     rel_error = None
     phase, warm = "warmup", 0
-    for _ in range(args.max_warmup + args.steps + 1):
-        state.stats_every = 1 if phase == "probe" else _NEVER
-        spent[0] = 0.0
+    for step in range(args.max_warmup + args.steps + 1):
+        if stats is not None:
+            stats.stats_every = 1 if phase == "probe" else _NEVER
+        marks.clear()
         opt.zero_grad(set_to_none=True)
         loss_fn(ddp(x), y).backward()
         opt.step()
-        st = state.stats.pop()
+        # the events of this step are read here, outside the hook (a wait once per step)
+        spent = [sum(clock.elapsed(a, b) for a, b in marks)]
+        st = stats.stats.pop() if stats is not None else None
         # "compressed" and actually smaller: a codec's own warm-up (GradiVeQ's, LGC's) runs on
         # the compressed path while still sending dense gradients
-        compressed = bool(st is not None and st.compressed and st.wire_bytes < st.raw_wire_bytes)
+        if stats is None:
+            compressed = step >= state.start_powerSGD_iter
+        else:
+            compressed = bool(st is not None and st.compressed and st.wire_bytes < st.raw_wire_bytes)
         if phase == "probe":
             rel_error = None if st is None else st.rel_error
             break
@@ -113,7 +170,7 @@ def measure_codec(name: str, options: dict[str, Any], model_name: str, args: arg
                 "hook_s": spent[0],
                 "encode_s": st.encode_s if st else 0.0,
                 "decode_s": st.decode_s if st else 0.0,
-                "raw_bytes": st.raw_bytes if st else 0,
+                "raw_bytes": st.raw_bytes if st else raw_grad_bytes,
                 "wire": st.wire_bytes if st else 0.0,
                 "raw_wire": st.raw_wire_bytes if st else 0.0,
                 "compressed": compressed,
@@ -129,18 +186,26 @@ def measure_codec(name: str, options: dict[str, Any], model_name: str, args: arg
     hook_s = median("hook_s")
     raw = sum(m["raw_bytes"] for m in measured) / n
     wire = sum(m["wire"] for m in measured) / n
+    throughput = raw / 1e6 / hook_s if hook_s > 0 else None
+    torch_options = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
+    bandwidth = getattr(args, "mem_bandwidth_gbs", None)
+    if bandwidth is None and device.type == "cuda":
+        bandwidth = H100_SXM_GBS
     return {
         "model": model_name,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "codec": name,
-        "options": state.codec.options(),
+        "options": state.codec.options() if stats is not None else torch_options,
         "measured_steps": len(measured),
         "warmup_steps": warm,
         "compressed_fraction": sum(m["compressed"] for m in measured) / n,
         "grad_mb": raw / 1e6,
         "hook_ms": 1e3 * hook_s,
-        "encode_ms": 1e3 * median("encode_s"),
-        "decode_ms": 1e3 * median("decode_s"),
-        "throughput_mb_s": raw / 1e6 / hook_s if hook_s > 0 else None,
+        "encode_ms": 1e3 * median("encode_s") if stats is not None else None,
+        "decode_ms": 1e3 * median("decode_s") if stats is not None else None,
+        "throughput_mb_s": throughput,
+        "mem_bandwidth_gbs": bandwidth,
+        "mem_bw_fraction": throughput / 1e3 / bandwidth if throughput is not None and bandwidth else None,
         "compression_ratio": (sum(m["raw_wire"] for m in measured) / n) / wire if wire > 0 else None,
         "rel_error": rel_error,
     }
@@ -153,6 +218,11 @@ def main(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     codecs = [c for c in (args.codecs.split(",") if args.codecs else default_codecs()) if c]
+    if not getattr(args, "no_torch_powersgd", False) and TORCH_POWERSGD not in codecs:
+        codecs.append(TORCH_POWERSGD)
+    if getattr(args, "device", "cpu") == "cuda" and not torch.cuda.is_available():
+        print("codecs: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
     options = json.loads(args.codec_options)
     rows = []
     for model_name in [m for m in args.models.split(",") if m]:
@@ -167,7 +237,13 @@ def main(args: argparse.Namespace) -> int:
             if row["model"] == model_name and base is not None:
                 row["over_none_ms"] = row["hook_ms"] - base
     out = Path(args.out)
-    meta = {"benchmark": "codecs", "threads": 1, "machine": machine_info(), "argv": getattr(args, "argv", sys.argv[1:])}
+    meta = {
+        "benchmark": "codecs",
+        "threads": 1,
+        "device": getattr(args, "device", "cpu"),
+        "machine": machine_info(),
+        "argv": getattr(args, "argv", sys.argv[1:]),
+    }
     write_json(out / "codecs.json", {"meta": meta, "rows": rows})
     write_csv(out / "codecs.csv", rows)
     print(format_table(rows, COLUMNS))

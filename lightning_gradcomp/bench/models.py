@@ -11,18 +11,19 @@ from torch import Tensor, nn
 
 __all__ = ["DEFAULT_BATCH", "MODELS", "build_model", "loss_fn", "synthetic_batch"]
 
-MODELS = ("resnet18", "pspnet", "tiny")
+MODELS = ("resnet18", "resnet50", "pspnet", "tiny")
 #: per-rank batch used when none is given: ResNet-18 as in the reference measurements
-DEFAULT_BATCH = {"resnet18": 32, "pspnet": 8, "tiny": 16}
-#: CamVid has 11 classes plus "void"; CIFAR-10 has 10
-NUM_CLASSES = {"resnet18": 10, "pspnet": 12, "tiny": 10}
+DEFAULT_BATCH = {"resnet18": 32, "resnet50": 32, "pspnet": 8, "tiny": 16}
+#: CamVid has 11 classes plus "void"; CIFAR-10 has 10; ImageNet 1000
+NUM_CLASSES = {"resnet18": 10, "resnet50": 1000, "pspnet": 12, "tiny": 10}
 
 
 def build_model(name: str) -> nn.Module:
     """``resnet18``: torchvision's ResNet-18 in CIFAR shape (3x3 stride-1 stem, no max-pool,
     11,181,642 parameters); ``pspnet``: segmentation-models-pytorch's PSPNet with its default
     ResNet-34 encoder (no pretrained weights, 12 classes; the encoder stages it does not use are
-    frozen); ``tiny``: a small CNN for tests."""
+    frozen); ``resnet50``: torchvision's ResNet-50 in ImageNet shape (25,557,032 parameters);
+    ``tiny``: a small CNN for tests."""
     if name == "resnet18":
         from torchvision.models import resnet18
 
@@ -30,6 +31,10 @@ def build_model(name: str) -> nn.Module:
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
         return model
+    if name == "resnet50":
+        from torchvision.models import resnet50
+
+        return resnet50(num_classes=NUM_CLASSES[name])
     if name == "pspnet":
         import segmentation_models_pytorch as smp
 
@@ -62,7 +67,7 @@ def synthetic_batch(name: str, batch_size: int, image_size: int | None = None, s
     if name not in MODELS:
         raise ValueError(f"model must be one of {list(MODELS)}, got {name!r}")
     g = torch.Generator().manual_seed(seed)
-    size = image_size or {"resnet18": 32, "pspnet": 128, "tiny": 16}[name]
+    size = image_size or {"resnet18": 32, "resnet50": 224, "pspnet": 128, "tiny": 16}[name]
     x = torch.randn(batch_size, 3, size, size, generator=g)
     if name == "pspnet":
         y = torch.randint(0, NUM_CLASSES[name], (batch_size, size, size), generator=g)

@@ -248,9 +248,10 @@ class Codec:
         set); it must not be called from a ``.then`` callback. Returns the bytes this rank sent."""
         return 0
 
-    def communicate_bucket(self, state: Any, bucket: Any, layers: list, flag: float, step: int) -> Any:
+    def communicate_bucket(self, state: Any, bucket: Any, layers: list, flag: Tensor, step: int) -> Any:
         """``custom`` codecs: run the whole protocol for one bucket and return a future of the
-        averaged bucket. ``flag`` is 1.0 when this rank's bucket is not finite."""
+        averaged bucket. ``flag`` is a one-element fp32 tensor on the bucket's device, 1.0 when
+        this rank's bucket is not finite (a tensor, so that reading it is the codec's choice)."""
         raise NotImplementedError(f"codec {self.name!r} declares collective 'custom' but has no protocol")
 
     def on_step_end(self, step: int) -> None:

@@ -52,6 +52,7 @@ does) at the same optimizer step on every rank; every message size derives from 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Sequence
 
@@ -60,6 +61,7 @@ from torch import Tensor
 
 from lightning_gradcomp.codecs.base import Codec, EncodeResult, check_choice, check_fraction, check_positive_int
 from lightning_gradcomp.codecs.bits import packed_nbytes
+from lightning_gradcomp.codecs.positions import positions_of_ones
 from lightning_gradcomp.codecs.qsgd import seeded_generator
 from lightning_gradcomp.codecs.rangefloat import ROUNDINGS, RangeFloat, codes_nbytes, pack_codes, unpack_codes
 from lightning_gradcomp.codecs.sampling import select_top
@@ -259,7 +261,7 @@ class FFTCodec(Codec):
         if mode == "none":
             return None, vals
         if mode == "bitmap":
-            idx = _unpack_bitmap(rest[0], nb * C).nonzero().view(-1)  # ascending, as the values were sent
+            idx = positions_of_ones(_unpack_bitmap(rest[0], nb * C), K)  # ascending, as the values were sent
         else:
             idx = unpack_codes(rest[0], self._index_bits(nb, C), K).long()
             if self.selection == "block":
@@ -278,7 +280,13 @@ class FFTCodec(Codec):
         return torch.fft.irfft(spec.view(nb, C), n=self.block_size, dim=1).reshape(-1)[:numel]
 
 
-_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+@functools.lru_cache(maxsize=None)
+def _bit_weights(device: torch.device) -> Tensor:
+    """``[1, 2, 4, ..., 128]`` as uint8 on ``device``, made once per device (a copy to a GPU waits)."""
+    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).to(device)
+
+
+_BIT_WEIGHTS = _bit_weights(torch.device("cpu"))
 
 
 def _pack_bitmap(mask: Tensor) -> Tensor:
@@ -286,8 +294,8 @@ def _pack_bitmap(mask: Tensor) -> Tensor:
     pad = (-mask.numel()) % 8
     if pad:
         mask = torch.cat([mask, mask.new_zeros(pad)])
-    return (mask.view(-1, 8) * _BIT_WEIGHTS.to(mask.device)).sum(1, dtype=torch.uint8)
+    return (mask.view(-1, 8) * _bit_weights(mask.device)).sum(1, dtype=torch.uint8)
 
 
 def _unpack_bitmap(packed: Tensor, n: int) -> Tensor:
-    return ((packed.unsqueeze(1) & _BIT_WEIGHTS.to(packed.device)) != 0).view(-1)[:n]
+    return ((packed.unsqueeze(1) & _bit_weights(packed.device)) != 0).view(-1)[:n]

@@ -63,6 +63,7 @@ Where the basis comes from (``basis_source``):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import threading
@@ -143,15 +144,31 @@ def _top_directions(x: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
 
     ``x`` is scaled by its largest magnitude first: the directions do not change, and the fp32
     products cannot overflow (values near 1e20 would square past fp32's range)."""
+    gram = _scaled_gram(x)
+    _, vecs = torch.linalg.eigh(gram)  # ascending
+    return _directions(gram, vecs, k)
+
+
+def _scaled_gram(x: Tensor) -> Tensor:
+    """``x^T x`` in float64 of ``x`` scaled by its largest magnitude (see :func:`_top_directions`)."""
     amax = x.abs().max()
     x = x / torch.where((amax > 0) & torch.isfinite(amax), amax, torch.ones_like(amax))  # no host sync
-    gram = (x.T @ x).to(torch.float64)
-    _, vecs = torch.linalg.eigh(gram)  # ascending
+    return (x.T @ x).to(torch.float64)
+
+
+def _directions(gram: Tensor, vecs: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The ``k`` leading eigenvectors from ``eigh``'s ascending ``vecs``, largest entry positive."""
     u = vecs[:, -k:].flip(1)
     idx = u.abs().argmax(0)
     signs = torch.sign(u[idx, torch.arange(k, device=u.device)])
     signs[signs == 0] = 1
     return (u * signs).to(torch.float32), gram, vecs
+
+
+@functools.lru_cache(maxsize=None)
+def _field_powers(b: int, f: int, device: torch.device) -> Tensor:
+    """``2^(b i)`` for ``i < f`` in fp32 on ``device``, made once (a copy to a GPU waits)."""
+    return torch.tensor([float(1 << (b * i)) for i in range(f)], dtype=torch.float32).to(device)
 
 
 @register_codec("gradiveq")
@@ -422,8 +439,8 @@ class GradiVeQCodec(Codec):
         h = hashlib.sha256()
         for key in sorted(self._bases):
             h.update(key.encode())
-            h.update(self._bases[key].contiguous().numpy().tobytes())
-            h.update(self._means[key].contiguous().numpy().tobytes())
+            h.update(self._bases[key].cpu().contiguous().numpy().tobytes())
+            h.update(self._means[key].cpu().contiguous().numpy().tobytes())
         return int.from_bytes(h.digest()[:8], "little") >> 2
 
     def verify_identical(self) -> None:
@@ -482,17 +499,21 @@ class GradiVeQCodec(Codec):
         device = fitting[0][1].device
         msg = torch.empty(len(fitting), d, kk, dtype=torch.float32, device=device)
         if self.rank == leader:
-            for i, (key, x) in enumerate(fitting):
-                s = x.numel() // d
-                u, _, _ = _top_directions(x[: s * d].view(s, d), kk)
-                msg[i] = u
+            grams = torch.stack([_scaled_gram(x[: (x.numel() // d) * d].view(-1, d)) for _, x in fitting])
+            # one batched eigh for the bucket: on CUDA eigh waits for the GPU (it checks for
+            # convergence failures on the host), so a call per layer would wait per layer
+            _, vecs = torch.linalg.eigh(grams)
+            for i in range(len(fitting)):
+                msg[i] = _directions(grams[i], vecs[i], kk)[0]
         if world > 1:
             dist.broadcast(msg, src=leader)
         for (key, _), u in zip(fitting, msg):
             self._u32[key] = u.clone()
             self._mu32[key] = torch.zeros(d, dtype=torch.float32, device=device)
-            self._bases[key] = u.detach().to("cpu", torch.float64)
-            self._means[key] = torch.zeros(d, dtype=torch.float64)
+            # the fp64 masters stay on the device (no copy to the host per layer); they are moved
+            # to the CPU when checkpointed or hashed
+            self._bases[key] = u.detach().to(torch.float64)
+            self._means[key] = torch.zeros(d, dtype=torch.float64, device=device)
         self._fits += 1
         self._last_fit_step = int(step)
         return msg.numel() * msg.element_size() if world > 1 else 0
@@ -545,28 +566,32 @@ class GradiVeQCodec(Codec):
     def _quantize(self, c: Tensor, scale: Tensor, gen: torch.Generator) -> Tensor:
         s = self.quant_levels
         b, f = self._field_bits()
-        a = float(scale)
-        y = c.reshape(-1) * (s / a) if a > 0 else torch.zeros_like(c.reshape(-1))
+        # the scale stays a 0-d tensor (no host sync): s / a in fp64 rounded once to fp32, as the
+        # Python float it replaces; a scale of 0 (or NaN) sends zeros
+        a = scale.to(torch.float64)
+        factor = (s / torch.where(a > 0, a, torch.ones_like(a))).to(torch.float32)
+        y = torch.where(a > 0, c.reshape(-1) * factor, torch.zeros_like(c.reshape(-1)))
         # stochastic rounding: floor(y + u), u ~ U[0, 1), is unbiased; then offset to [0, 2s]
         q = torch.rand(y.shape, generator=gen, device=y.device).add_(y).floor_().clamp_(-s, s).add_(s)
         pad = (-q.numel()) % f
         if pad:
             q = torch.cat([q, q.new_zeros(pad)])
         # pack f fields of b bits into one fp32 word: every partial sum is an integer < 2**24, exact
-        powers = torch.tensor([float(1 << (b * i)) for i in range(f)], dtype=torch.float32, device=q.device)
-        words = q.view(-1, f) @ powers
+        words = q.view(-1, f) @ _field_powers(b, f, q.device)
         # the scale travels with the words; identical on all ranks, its sum is N a
         return torch.cat([words, scale.reshape(1).to(torch.float32)])
 
     def _dequantize(self, words: Tensor, n: int, count: int) -> Tensor:
         s = self.quant_levels
         b, f = self._field_bits()
-        a = float(words[-1]) / count  # the shared scale, summed over count ranks
+        # the shared scale, summed over count ranks; a 0-d tensor, with the arithmetic of the
+        # Python floats it replaces (fp64, rounded once to fp32)
+        a = words[-1].to(torch.float64) / count
         w = words[:-1].to(torch.int32)  # exact: integers below 2**24
         shifts = torch.arange(f, device=w.device, dtype=torch.int32) * b
         fields = (w.unsqueeze(1) >> shifts) & ((1 << b) - 1)
         qsum = fields.reshape(-1)[:n].to(torch.float32) - count * s
-        return qsum * (a / s)
+        return qsum * (a / s).to(torch.float32)
 
     def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
         if ctx is None:
@@ -597,9 +622,9 @@ class GradiVeQCodec(Codec):
     # checkpointing: identical on every rank
     def state_dict(self) -> dict[str, Any]:
         return {
-            "bases": {k: v.clone() for k, v in self._bases.items()},
-            "means": {k: v.clone() for k, v in self._means.items()},
-            "explained_variance": {k: v.clone() for k, v in self._ev.items()},
+            "bases": {k: v.detach().cpu().clone() for k, v in self._bases.items()},
+            "means": {k: v.detach().cpu().clone() for k, v in self._means.items()},
+            "explained_variance": {k: v.detach().cpu().clone() for k, v in self._ev.items()},
             "fits": self._fits,
             "last_fit_step": self._last_fit_step,
             "slice_dim": self.slice_dim,

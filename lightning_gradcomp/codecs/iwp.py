@@ -93,9 +93,15 @@ def importance(a: Tensor, w: Tensor, eps: float, out: Tensor | None = None) -> T
     """
     w = w.detach().reshape(-1)
     n = w.numel()
-    scale = float(w[:: max(1, -(-n // _SCALE_SAMPLE))].abs().float().mean()) if n else 0.0
-    eps_l = eps * scale if scale > 0 and math.isfinite(scale) else eps
     out = torch.empty_like(a) if out is None else out
+    # the guard stays a 0-d tensor (no host sync); eps * scale is formed in fp64 and rounded
+    # once, as the Python float it replaces was
+    if n:
+        scale = w[:: max(1, -(-n // _SCALE_SAMPLE))].abs().float().mean().to(torch.float64)
+        eps_l = torch.where((scale > 0) & torch.isfinite(scale), eps * scale, torch.full_like(scale, eps))
+        eps_l = eps_l.to(out.dtype)
+    else:
+        eps_l = eps
     if w.dtype == out.dtype:
         torch.abs(w, out=out)
     else:  # fp16/bf16 parameters: upcast while copying
@@ -236,10 +242,17 @@ class IWPCodec(Codec):
             if pos is None:  # k == n: everything is kept, nothing was sent
                 pos = torch.arange(n, device=device)
             # cut the group's sorted positions into per-layer local indices
-            bounds = torch.tensor([0] + [x.numel() for _, x, _ in g], device=device).cumsum(0)
-            cuts = torch.searchsorted(pos, bounds).tolist()
+            starts = [0]
+            for _, x, _ in g:
+                starts.append(starts[-1] + x.numel())
+            if len(g) == 1:
+                cuts = [0, pos.numel()]
+            else:
+                # the bucket's one host sync: how many of the shared positions fall in each layer
+                bounds = torch.tensor(starts, dtype=pos.dtype).to(device)
+                cuts = torch.searchsorted(pos, bounds).tolist()
             for j, (key, x, _) in enumerate(g):
-                self._plan[key] = pos[cuts[j] : cuts[j + 1]] - int(bounds[j])
+                self._plan[key] = pos[cuts[j] : cuts[j + 1]] - starts[j]
         self.last_root, self.last_encodings, self.last_index_bytes = root, encs, total
         return total if world > 1 else 0
 

@@ -285,6 +285,10 @@ class LGCCodec(Codec):
         super().setup(context)
         self.ae.to(context.device)
 
+    def _device(self) -> torch.device:
+        """The device of the AE (the codec context's once set up)."""
+        return next(self.ae.parameters()).device
+
     def k_for(self, numel: int) -> int:
         return max(1, min(numel, math.ceil(self.ratio * numel)))
 
@@ -294,7 +298,10 @@ class LGCCodec(Codec):
     # ----------------------------------------------------------------------------------------------
     # the shared support: chosen by the leader, broadcast in the hook body
     def _select(self, x: Tensor, k: int, step: int) -> Tensor:
-        # exact top-k; "sampled" finds it through a threshold estimated from a 1% sample (DGC-style)
+        # exact top-k; "sampled" finds it through a threshold estimated from a 1% sample (DGC-style).
+        # On CUDA select_top runs torch.topk and draws nothing, so no generator is made there.
+        if x.is_cuda:
+            return select_top(x.abs(), k, 0.0)
         g = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + step)
         return select_top(x.abs(), k, 0.01 if self.selection == "sampled" else 0.0, g)
 
@@ -411,7 +418,9 @@ class LGCCodec(Codec):
             out[idx] = values.sum(0)
             if self.stage(step) == 2 and k >= MIN_AE_LEN and step >= self.ae_start_step - self.ae_samples:
                 with self._samples_lock:
-                    self._samples.append((key, step, step % len(payloads), numel, values.detach().cpu().clone()))
+                    # kept on the values' device: a copy to the host here would wait for the GPU
+                    # once per layer; they move to the CPU only when checkpointed
+                    self._samples.append((key, step, step % len(payloads), numel, values.detach().clone()))
             return out
         u = torch.zeros(len(payloads), k, dtype=torch.float32, device=out.device)
         for r, p in enumerate(payloads):
@@ -437,31 +446,35 @@ class LGCCodec(Codec):
         t0 = time.perf_counter()
         with self._samples_lock:  # identical on every rank: every rank saw every rank's values
             keys = sorted({smp[0] for smp in self._samples})
-        stats = torch.zeros(2 + len(keys), dtype=torch.float64)
+        # everything handed to a collective lives on the codec's device (NCCL takes no CPU tensor)
+        device = self._device()
+        stats = torch.zeros(2 + len(keys), dtype=torch.float64, device=device)
         if self.rank == 0:
             loss, per_layer = self._fit()
             errors = [per_layer.get(k, (0.0, 0.0)) for k in keys]
             err, ref = sum(e for e, _ in errors), sum(r for _, r in errors)
             stats[0], stats[1] = loss, (math.sqrt(err / ref) if ref > 0 else float("nan"))
-            stats[2:] = torch.tensor([math.sqrt(e / r) if r > 0 else math.inf for e, r in errors], dtype=torch.float64)
+            per_layer_error = [math.sqrt(e / r) if r > 0 else math.inf for e, r in errors]
+            stats[2:] = torch.tensor(per_layer_error, dtype=torch.float64).to(device)
         if self.world_size > 1:
             flat = nn.utils.parameters_to_vector(self.ae.parameters()).detach()
             dist.broadcast(flat, src=0)
             nn.utils.vector_to_parameters(flat, self.ae.parameters())
             dist.broadcast(stats, src=0)
-            digest = torch.tensor([self.ae_digest() >> 2], dtype=torch.int64)
+            digest = torch.tensor([self.ae_digest() >> 2], dtype=torch.int64).to(device)
             all_d = [torch.zeros_like(digest) for _ in range(self.world_size)]
             dist.all_gather(all_d, digest)
             if len({int(d) for d in all_d}) != 1:
                 raise RuntimeError("lgc: autoencoder weights differ between ranks after the broadcast")
         self.ae.requires_grad_(False)
-        self._ae_layers = {k: float(e) for k, e in zip(keys, stats[2:].tolist()) if e <= self.max_recon_error}
+        values = stats.tolist()  # once, at the switch (step-end work, not per layer)
+        self._ae_layers = {k: float(e) for k, e in zip(keys, values[2:]) if e <= self.max_recon_error}
         with self._samples_lock:
             self._samples.clear()  # stage 3 never needs them again
         self._ae_state = {
             "trained": True,
-            "loss": float(stats[0]),
-            "recon_error": float(stats[1]),
+            "loss": float(values[0]),
+            "recon_error": float(values[1]),
             "train_s": time.perf_counter() - t0,
         }
 
@@ -569,7 +582,7 @@ class LGCCodec(Codec):
     def state_dict(self) -> dict[str, Any]:
         with self._samples_lock:
             samples = [
-                {"key": k, "step": s, "leader": lead, "numel": n, "values": v.clone()}
+                {"key": k, "step": s, "leader": lead, "numel": n, "values": v.detach().cpu().clone()}
                 for k, s, lead, n, v in self._samples
             ]
         return {

@@ -6,13 +6,39 @@ Elias-Fano (``"delta"``) or a bitmap, whichever is smaller (``"auto"``). Both si
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
-__all__ = ["ENCODINGS", "choose_encoding", "decode_positions", "encode_positions", "encoded_nbytes"]
+__all__ = [
+    "ENCODINGS",
+    "choose_encoding",
+    "decode_positions",
+    "encode_positions",
+    "encoded_nbytes",
+    "positions_of_ones",
+]
 
 ENCODINGS = ("auto", "delta", "bitmap")
-_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+@functools.lru_cache(maxsize=None)
+def _shifts(device: torch.device) -> Tensor:
+    """``[0, 1, ..., 7]`` as uint8 on ``device``, made once per device (a copy to a GPU waits)."""
+    return torch.arange(8, dtype=torch.uint8, device=device)
+
+
+def positions_of_ones(mask: Tensor, count: int) -> Tensor:
+    """Positions (int64, ascending) of the ``count`` set entries of a flat 0/1 ``mask``.
+
+    On CUDA ``torch.nonzero_static`` with the known count: ``torch.nonzero`` would wait for the
+    GPU to learn the size. A mask with fewer set entries (a corrupt code) pads with -1 there; on
+    a CPU the exact set is returned.
+    """
+    if mask.is_cuda:
+        return torch.nonzero_static(mask, size=count, fill_value=-1).squeeze(1)
+    return torch.nonzero(mask).squeeze(1)
 
 
 def _ef_low_bits(k: int, n: int) -> int:
@@ -46,12 +72,12 @@ def _bits_to_bytes(bits: Tensor) -> Tensor:
     pad = (-bits.numel()) % 8
     if pad:
         bits = torch.cat([bits, bits.new_zeros(pad)])
-    shifts = _SHIFTS.to(bits.device)
+    shifts = _shifts(bits.device)
     return (bits.view(-1, 8).to(torch.uint8) << shifts).sum(1, dtype=torch.uint8)
 
 
 def _bytes_to_bits(data: Tensor, nbits: int) -> Tensor:
-    shifts = _SHIFTS.to(data.device)
+    shifts = _shifts(data.device)
     return ((data.unsqueeze(1) >> shifts) & 1).reshape(-1)[:nbits].bool()
 
 
@@ -89,12 +115,12 @@ def decode_positions(data: Tensor, k: int, n: int, encoding: str) -> Tensor:
     if k >= n:
         return torch.arange(n, device=data.device)
     if encoding == "bitmap":
-        return torch.nonzero(_bytes_to_bits(data, n)).squeeze(1)
+        return positions_of_ones(_bytes_to_bits(data, n), k)
     low = _ef_low_bits(k, n)
     low_nbytes = -(-k * low // 8)
     upper_bits = k + ((n - 1) >> low) + 1
-    ones = torch.nonzero(_bytes_to_bits(data[low_nbytes:], upper_bits)).squeeze(1)
-    if ones.numel() != k:
+    ones = positions_of_ones(_bytes_to_bits(data[low_nbytes:], upper_bits), k)
+    if ones.numel() != k:  # only a CPU can tell here without waiting; CUDA pads a corrupt code
         raise ValueError(f"corrupt position code: {ones.numel()} high parts for {k} positions")
     pos = (ones - torch.arange(k, device=data.device)) << low
     if low:

@@ -19,7 +19,6 @@ torch's hook would otherwise fold a NaN into its error-feedback memory before an
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from lightning_gradcomp.codecs.base import Codec, CodecContext, check_positive_int
 from lightning_gradcomp.comm import completed_future, wire_bytes
 from lightning_gradcomp.registry import register_codec
+from lightning_gradcomp.timing import Span, clock_for
 
 
 @register_codec("powersgd")
@@ -117,14 +117,19 @@ class PowerSGDCodec(Codec):
             total += compressed if ok else t.numel()
         return total
 
-    def communicate_bucket(self, state: Any, bucket: Any, layers: list, flag: float, step: int) -> Any:
+    def communicate_bucket(self, state: Any, bucket: Any, layers: list, flag: Tensor | float, step: int) -> Any:
         assert self._torch_state is not None, "PowerSGDCodec.setup() was not called"
         group = state.process_group
         buf = bucket.buffer()
         world = dist.get_world_size(group)
-        t0 = time.perf_counter()
-        flag_t = torch.full((1,), flag, dtype=torch.float32, device=buf.device)
+        clock = clock_for(buf.device)
+        t0 = clock.mark()
+        if isinstance(flag, Tensor):
+            flag_t = flag.to(device=buf.device, dtype=torch.float32).reshape(1).clone()
+        else:
+            flag_t = torch.full((1,), flag, dtype=torch.float32, device=buf.device)
         dist.all_reduce(flag_t, group=group)
+        # the bucket's one host sync: torch's hook must not even start on a non-finite bucket
         if float(flag_t) > 0:
             return completed_future(state._discard(buf, [], step))
         sample = step % state.stats_every == 0
@@ -132,7 +137,7 @@ class PowerSGDCodec(Codec):
         if sample:  # torch's hook sends buf + its old error: that is the input to compare against
             old = self._torch_state.error_dict.get(bucket.index()) if self.use_error_feedback else None
             ref = buf.double() if old is None or old.shape != buf.shape else buf.double() + old.double()
-            ref_sq = float(ref.pow(2).sum())
+            ref_sq = ref.pow(2).sum()  # read with the statistics, not here
         fut = torch_powersgd.powerSGD_hook(self._torch_state, bucket)
         if dist.get_backend(group) == "gloo":
             fut.wait()  # see the module docstring: never two waiting callbacks at once on gloo
@@ -145,7 +150,7 @@ class PowerSGDCodec(Codec):
             payload_bytes=nbytes + 4,
             wire_bytes=wire_bytes("allreduce", nbytes + 4, world),
             raw_wire_bytes=wire_bytes("allreduce", raw, world),
-            comm_s=time.perf_counter() - t0,
+            comm_s=Span(clock, t0, clock.mark()),
         )
 
         def finish(f: torch.futures.Future) -> Tensor:
@@ -153,7 +158,7 @@ class PowerSGDCodec(Codec):
             if sample and self.use_error_feedback:
                 err = self._torch_state.error_dict.get(bucket.index())
                 if err is not None:
-                    state.stats.add(err_sq=float(err.double().pow(2).sum()), ref_sq=ref_sq)
+                    state.stats.add(err_sq=err.double().pow(2).sum(), ref_sq=ref_sq)
             return out
 
         return fut.then(finish)

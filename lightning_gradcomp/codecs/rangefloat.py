@@ -97,7 +97,13 @@ def rf_quantize(
     Returns:
         ``(header, codes)``: header is int32 ``[b, e]``; codes are int32 in ``[0, 2^bits)``, the sign
         in the top bit. See the module docstring for the format and its error bound.
+
+    On CUDA the range ``(b, e)`` is computed on the device (:func:`_rf_quantize_device`), so that
+    quantizing a layer never waits for the GPU; on a CPU it is computed on the host. Both give
+    the same codes with ``"nearest"``; stochastic rounding draws its noise differently.
     """
+    if values.is_cuda:
+        return _rf_quantize_device(values, bits, exponent_bits, max_exponent_bits, rounding, generator)
     v = values.reshape(-1).to(torch.float32).contiguous()
     # Work on the fp32 bit patterns: for non-negative floats the int32 order is the float order,
     # the exponent field is floor(log2 |v|) + 127, and scaling by 2^-b is subtracting b from it.
@@ -139,8 +145,72 @@ def rf_quantize(
     return header, codes
 
 
+def _floor_log2(bits_pattern: Tensor) -> Tensor:
+    """``floor(log2 |x|)`` (int64) of positive finite fp32 numbers given by their bit patterns,
+    exactly as ``math.frexp(x)[1] - 1`` (fp32 to fp64 is exact, and so is frexp)."""
+    return torch.frexp(bits_pattern.to(torch.int32).view(torch.float32).to(torch.float64)).exponent.to(torch.int64) - 1
+
+
+def _rf_quantize_device(
+    values: Tensor,
+    bits: int,
+    exponent_bits: int | None,
+    max_exponent_bits: int | None,
+    rounding: str,
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`rf_quantize` with the range kept in 0-d tensors: no host sync (for CUDA tensors).
+
+    The same arithmetic as the host path, step by step, so ``"nearest"`` gives the same codes.
+    Stochastic rounding draws ``23`` random bits and keeps the ``23 - m`` it needs (the host path
+    draws exactly that many, which needs ``m`` on the host).
+    """
+    v = values.reshape(-1).to(torch.float32).contiguous()
+    ai = v.view(torch.int32) & 0x7FFFFFFF
+    e_cap = _default_max_exponent_bits(bits) if max_exponent_bits is None else max_exponent_bits
+    amax = ai.max().to(torch.int64) if ai.numel() else torch.zeros((), dtype=torch.int64, device=v.device)
+    degenerate = (amax == 0) | (amax >= 0x7F800000)
+    safe_max = torch.where(degenerate, torch.ones_like(amax), amax)
+    top = _floor_log2(safe_max)
+    if exponent_bits is None:
+        if ai.numel():
+            amin = ((ai - 1) & 0x7FFFFFFF).min().add_(1)
+        else:
+            amin = torch.ones((), dtype=torch.int32, device=v.device)
+        amin = torch.where(degenerate, torch.ones_like(amin), amin)
+        span = top - _floor_log2(amin) + 1
+        # ceil(log2(span + 1)) is the bit length of span, which frexp gives exactly
+        e = torch.frexp(span.to(torch.float64)).exponent.to(torch.int64).clamp(1, e_cap)
+    else:
+        e = torch.full((), exponent_bits, dtype=torch.int64, device=v.device)
+    b = (top - torch.pow(2, e) + 2).clamp_min(_MIN_BIAS)
+    b = torch.where(degenerate, torch.zeros_like(b), b)
+    e = torch.where(degenerate, torch.full_like(e, exponent_bits or e_cap), e)
+    m = bits - 1 - e
+    shift = 23 - m
+    if rounding == "nearest":
+        normal = ai + torch.pow(2, shift - 1).to(torch.int32)
+    else:
+        noise = torch.randint(0, 1 << 23, ai.shape, generator=generator, device=ai.device, dtype=torch.int32)
+        normal = ai + noise.bitwise_right_shift_(m.to(torch.int32))
+    normal = normal.bitwise_right_shift_(shift.to(torch.int32)).sub_(((126 + b) * torch.pow(2, m)).to(torch.int32))
+    sub = ai.view(torch.float32) * torch.exp2((m - b).to(torch.float64)).to(torch.float32)
+    if rounding == "nearest":
+        sub = sub.round_()
+    else:
+        sub = sub.add_(torch.rand(sub.shape, generator=generator, device=sub.device)).floor_()
+    mag = torch.where(ai >= ((127 + b) * (1 << 23)).to(torch.int32), normal, sub.to(torch.int32))
+    mag = mag.clamp_(max=(1 << (bits - 1)) - 1)
+    sign = v.view(torch.int32).bitwise_right_shift(31).bitwise_and_(1 << (bits - 1))
+    codes = mag.bitwise_or_(sign)
+    header = torch.stack([b, e]).to(torch.int32)
+    return header, codes
+
+
 def rf_dequantize(header: Tensor, codes: Tensor, bits: int) -> Tensor:
     """Inverse of :func:`rf_quantize`: fp32 values from ``(header, codes)``."""
+    if codes.is_cuda:
+        return _rf_dequantize_device(header, codes, bits)
     b, e = (int(x) for x in header.tolist())
     m = bits - 1 - e
     codes = codes.to(torch.int32)
@@ -262,3 +332,17 @@ class RangeFloatCodec(Codec):
 
     def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
         return self._fmt.decode(payload, numel)
+
+
+def _rf_dequantize_device(header: Tensor, codes: Tensor, bits: int) -> Tensor:
+    """:func:`rf_dequantize` with the header kept on the device: no host sync (for CUDA tensors)."""
+    h = header.to(device=codes.device, dtype=torch.int64)
+    b, e = h[0], h[1]
+    m = bits - 1 - e
+    codes = codes.to(torch.int32)
+    mag = codes & ((1 << (bits - 1)) - 1)
+    normal = (mag + ((126 + b) * torch.pow(2, m)).to(torch.int32)).bitwise_left_shift_((23 - m).to(torch.int32))
+    sub = (mag.to(torch.float32) * torch.exp2((b - m).to(torch.float64)).to(torch.float32)).view(torch.int32)
+    out = torch.where(mag >= torch.pow(2, m).to(torch.int32), normal, sub)
+    out.bitwise_or_(codes.bitwise_right_shift(bits - 1).bitwise_left_shift_(31))
+    return out.view(torch.float32)

@@ -26,10 +26,16 @@ def select_top(s: Tensor, k: int, sample_fraction: float = 0.01, generator: torc
     then ``s >= t`` gives the candidates and an exact top-k among those fixes the count. When at
     least ``k`` entries pass, the candidates contain the true top ``k``, so the result is the same
     as exact top-k (up to ties); when fewer pass (an unlucky sample, NaN), exact top-k runs.
+
+    On CUDA the exact ``torch.topk`` runs directly and ``sample_fraction`` and ``generator`` are
+    not used: counting the candidates needs their number on the host (a sync per call), while
+    ``torch.topk`` is fast on a GPU and never waits. The positions are the same up to ties.
     """
     n = s.numel()
     if k >= n:
         return torch.arange(n, device=s.device)
+    if s.is_cuda:
+        return torch.topk(s, k, sorted=False).indices.sort().values
     m = math.ceil(sample_fraction * n) if sample_fraction > 0 else 0
     if m >= 1024 and m < n:
         # aim at k + 25% + 4 sigma of the sampling noise of the count above the threshold
