@@ -75,6 +75,7 @@ class CodecHookState:
         "step",
         "memory",
         "momentum_buffers",
+        "residual_lr",
         "stats",
         "nonfinite_steps",
         "skip_requested",
@@ -108,6 +109,7 @@ class CodecHookState:
         self.step = 0
         self.memory = ResidualMemory()
         self.momentum_buffers = ResidualMemory()  # per-rank momentum of momentum correction
+        self.residual_lr: dict[str, float] = {}  # lr_scaled_feedback: the rate each residual is scaled to
         self.stats = StatsAccumulator()
         self.nonfinite_steps = 0
         self.skip_requested = False
@@ -137,6 +139,25 @@ class CodecHookState:
             return name
         return self._anon_keys.setdefault(id(param), f"param{len(self._anon_keys)}")
 
+    def rescale_residuals(self, lr_by_key: dict[str, float]) -> None:
+        """Learning-rate-scaled error feedback (the codec's ``lr_scaled_feedback``): before a step
+        whose learning rate for parameter ``k`` is ``lr_by_key[k]``, multiply its residual by
+        ``lr_then / lr_now``, where ``lr_then`` is the rate it was last scaled to, so that
+        ``lr_now * residual`` stays the update the held-back gradients would have made at their own
+        steps. A rate of 0 changes nothing (that step applies nothing). Identical on every rank,
+        as the rates are; a no-op when the codec does not ask for it. Call it between steps."""
+        if not (self.codec.error_feedback and getattr(self.codec, "lr_scaled_feedback", False)):
+            return
+        with self.memory._lock:
+            for key, lr_now in lr_by_key.items():
+                if not lr_now > 0:
+                    continue
+                lr_then = self.residual_lr.get(key)
+                residual = self.memory.residuals.get(key)
+                if residual is not None and lr_then is not None and lr_then != lr_now:
+                    residual.mul_(lr_then / lr_now)
+                self.residual_lr[key] = float(lr_now)
+
     def compressing(self, step: int | None = None) -> bool:
         step = self.step if step is None else step
         return step >= self.first_compress_step and self.codec.is_compressing(step)
@@ -151,6 +172,7 @@ class CodecHookState:
             # a checkpoint is written between steps, before the codec's step-end work of the last
             # step ran (it runs at the start of the next step): a resumed run must still run it
             "step_end_pending": self._step_end_pending,
+            "residual_lr": dict(self.residual_lr),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -159,6 +181,7 @@ class CodecHookState:
         self.codec.load_state_dict(state["codec"])
         self.fallback.load_state_dict(state.get("fallback", {}))
         self._step_end_pending = bool(state.get("step_end_pending", False))
+        self.residual_lr = {str(k): float(v) for k, v in state.get("residual_lr", {}).items()}
 
     def consume_skip(self) -> bool:
         """True once after a step whose gradient was non-finite on some rank."""

@@ -169,6 +169,7 @@ class CompressedDDPStrategy(DDPStrategy):
             state.step = previous.step
             state.memory = previous.memory
             state.momentum_buffers = previous.momentum_buffers
+            state.residual_lr = previous.residual_lr
             state.nonfinite_steps = previous.nonfinite_steps
         if self._pending_checkpoint is not None:
             self._apply_checkpoint(state, self._pending_checkpoint)
@@ -207,6 +208,8 @@ class CompressedDDPStrategy(DDPStrategy):
                 result.append(closure())
             return result[0]
 
+        if getattr(state.codec, "lr_scaled_feedback", False):
+            state.rescale_residuals(_learning_rates(optimizer, state.param_names))
         closure_once()
         if state.consume_skip():
             if self.nonfinite == "raise":
@@ -299,6 +302,19 @@ class CompressedDDPStrategy(DDPStrategy):
             strategy_registry.register(
                 f"compressed_ddp_{name}", cls, description=f"DDP with the {name!r} gradient codec", codec=name
             )
+
+
+def _learning_rates(optimizer: Any, param_names: dict[int, str]) -> dict[str, float]:
+    """The learning rate of every named parameter the optimizer steps (per parameter group)."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps the torch one
+    rates: dict[str, float] = {}
+    for group in optimizer.param_groups:
+        lr = float(group["lr"])
+        for p in group["params"]:
+            name = param_names.get(id(p))
+            if name is not None:
+                rates[name] = lr
+    return rates
 
 
 def _gather_rank_states(local: dict[str, torch.Tensor], device: torch.device) -> list[dict[str, torch.Tensor]]:

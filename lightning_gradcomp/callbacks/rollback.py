@@ -183,6 +183,7 @@ class AccuracyDropRollback(Callback):
             snap["codec_rank"] = {k: v.detach().cpu().clone() for k, v in hook.codec.rank_state_dict().items()}
             snap["residuals"] = hook.memory.state_dict()
             snap["momentum"] = hook.momentum_buffers.state_dict()
+            snap["residual_lr"] = dict(hook.residual_lr)
         self._snapshot = snap
         self.last_good_step = trainer.global_step
 
@@ -201,6 +202,7 @@ class AccuracyDropRollback(Callback):
             hook.codec.load_rank_state_dict({k: v.clone() for k, v in snap["codec_rank"].items()})
             hook.memory.load_state_dict(snap["residuals"], device=strategy.root_device)
             hook.momentum_buffers.load_state_dict(snap.get("momentum", {}), device=strategy.root_device)
+            hook.residual_lr = dict(snap.get("residual_lr", {}))
         new_limit = None
         if level is not None:
             new_limit = max(self.min_level, min(float(codec.compression_limit), self.factor * level))

@@ -114,6 +114,15 @@ class Codec:
             velocity (DGC's momentum factor masking), so stale momentum does not push the sent
             coordinates again. Default True; it applies to codecs that send a sparse subset
             (``topk``, ``iwp``, ``lgc``) and is ignored by the others.
+        lr_scaled_feedback: with ``error_feedback``: keep the residual in units of the update
+            rather than of the gradient. When the learning rate changes from ``lr_then`` to
+            ``lr_now`` the residual is multiplied by ``lr_then / lr_now`` before it is added, so a
+            gradient held back while the rate decays is applied with the rate of the step that
+            computed it, as in the error feedback of the papers (Stich et al. 2018 and
+            Karimireddy et al. 2019 keep ``lr_t * g_t`` in the memory). Without it a residual
+            held through a decaying schedule is applied at the later, smaller rate. The strategy
+            reads the rates from the optimizer before each step; with ``make_comm_hook`` call
+            ``state.rescale_residuals({name: lr})`` before each backward. Default False.
     """
 
     #: registry name, set by ``register_codec``
@@ -142,6 +151,7 @@ class Codec:
         nesterov: bool = False,
         weight_decay: float = 0.0,
         momentum_masking: bool = True,
+        lr_scaled_feedback: bool = False,
     ) -> None:
         check_positive_int("min_numel", min_numel, allow_zero=True)
         check_positive_int("start_step", start_step, allow_zero=True)
@@ -159,6 +169,9 @@ class Codec:
         self.nesterov = bool(nesterov)
         self.weight_decay = float(weight_decay)
         self.momentum_masking = bool(momentum_masking)
+        if lr_scaled_feedback and not self.error_feedback:
+            raise ValueError("lr_scaled_feedback rescales the error-feedback residual: it needs error_feedback=True")
+        self.lr_scaled_feedback = bool(lr_scaled_feedback)
         self.context: CodecContext | None = None
         self._dense_keys: frozenset[str] = frozenset()  # resolved by plan_layers()
         self._run_total_steps: int | None = None  # set by fit_to_run()
