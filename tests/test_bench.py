@@ -686,8 +686,10 @@ def test_tta_command_writes_json_csv_and_table(tmp_path, capsys):
     (tmp_path / "link.json").write_text(json.dumps(link_data))
     out = tmp_path / "tta"
     rc = bench_main(["tta", "--accuracy", str(tmp_path / "acc.json"), "--link", str(tmp_path / "link.json"),
-                     "--rates", "100mbit,10mbit", "--out", str(out)])
+                     "--rates", "100mbit,10mbit", "--out", str(out), "--figure", str(tmp_path / "fig")])
     assert rc == 0
+    for rate in ("100mbit", "10mbit"):  # the figure of accuracy against wall-clock time, per rate
+        assert (tmp_path / "fig" / f"accuracy_vs_time_{rate}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     captured = capsys.readouterr()
     assert "two separate measurements" in captured.out and "not reached" in captured.out
     assert "x vs powersgd" in captured.out and "model differs" in captured.err

@@ -67,6 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--link-model", default=None, help="model of the link rows (default: the accuracy runs' model if present)"
     )
+    p.add_argument(
+        "--figure",
+        default=None,
+        help="also draw test accuracy against wall-clock time at each rate into this directory "
+        "(accuracy_vs_time_RATE.png)",
+    )
     p.add_argument("--out", default="bench_results/tta")
 
 
@@ -321,4 +327,12 @@ def main(args: argparse.Namespace) -> int:
     print(meta["caption"] + "\n")
     print(format_table(result["rows"], columns(compare)))
     print(f"\nwrote {out / 'tta.json'} and {out / 'tta.csv'}")
+    if args.figure:
+        from lightning_gradcomp.bench.plot import plot_accuracy_vs_time  # plot imports this module
+
+        acc, link = read_json(args.accuracy), read_json(args.link)
+        for rate in rates:
+            drawn = plot_accuracy_vs_time(acc, link, Path(args.figure), rate=rate, hosts=args.hosts, target=args.target)
+            for path in drawn:
+                print(f"wrote {path}")
     return 0
