@@ -680,6 +680,26 @@ def test_tta_given_target_level_replaces_none_final_metric():
     assert "0.3000 (given)" in result["meta"]["caption"]
 
 
+def test_tta_charges_warm_up_steps_at_none_pace_and_borrows_step_times_of_a_configuration():
+    acc, link_data = _tta_inputs()
+    # lgc's runs: 150 steps, steady ratio 100, whole-run ratio 150 / (10 + 140/100): 10 dense steps
+    for r in acc["rows"]:
+        if r["codec"] == "lgc":
+            r.update(compression_ratio=150 / (10 + 140 / 100), compression_ratio_last=100.0)
+    acc["rows"].append({**_acc_row("lgc@mc", 0, [(50, 0.5), (100, 0.56), (150, 0.6)], 0.6)})
+    assert tta.dense_equivalent_steps([r for r in acc["rows"] if r["codec"] == "lgc"]) == pytest.approx(10)
+    result = tta.compute(acc, link_data, ["100mbit"], hosts=2)
+    got = {r["codec"]: r for r in result["rows"]}
+    # 150 steps at 1.25 s plus 10 dense steps at none's 4.0 s instead of 1.25 s
+    assert got["lgc"]["dense_steps"] == pytest.approx(10)
+    assert got["lgc"]["tta_s"] == pytest.approx(150 * 1.25 + 10 * (4.0 - 1.25))
+    assert got["none"]["dense_steps"] == 0 and got["none"]["tta_s"] == pytest.approx(600)
+    # lgc@mc has no link row of its own: lgc's step time, said in the note
+    assert got["lgc@mc"]["step_s"] == 1.25 and got["lgc@mc"]["note"] == "step time of lgc"
+    assert got["lgc@mc"]["steps_to_target"] == 100 and got["lgc@mc"]["tta_s"] == pytest.approx(125)
+    assert "none's step time" in result["meta"]["caption"]
+
+
 def test_tta_command_writes_json_csv_and_table(tmp_path, capsys):
     acc, link_data = _tta_inputs()
     (tmp_path / "acc.json").write_text(json.dumps(acc))
@@ -716,8 +736,8 @@ def test_plot_draws_accuracy_against_time_and_tta_tables(tmp_path):
     assert (figures / "accuracy_vs_time_100mbit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = md.read_text()
     assert "## Time to accuracy on a slow link" in text and "two separate measurements" in text
-    assert "| powersgd | 100mbit | 0.5600 | 100 | 1.200 | 120 | 5.00 | 1.00 |" in text
-    assert "| topk | 100mbit | 0.3000 | not reached |" in text
+    assert "| powersgd | 100mbit | 0.5600 | 100 | 0 | 1.200 | 120 | 5.00 | 1.00 |" in text
+    assert "| topk | 100mbit | 0.3000 | not reached | 0 |" in text
     assert "](figures/accuracy_vs_time_100mbit.png)" in text
     assert "| task | codec | budget | seeds |" in text
     assert "| cifar10 | none | 1 epoch | 0,1 | val/acc | 0.5500 | 0.1000 |" in text

@@ -11,7 +11,12 @@ each codec and rate:
 - steps to target: the first validation step at which the codec's metric, the mean over its
   seeds at the steps every seed validated, reaches the target ('not reached' within the budget);
 - time to accuracy: those steps times the codec's median step time on that link
-  (``--hosts`` hosts), and the speed-up against ``none`` and ``powersgd`` (their time / this time).
+  (``--hosts`` hosts), and the speed-up against ``none`` and ``powersgd`` (their time / this time);
+- dense steps: a codec that sends its first steps uncompressed (a warm-up) pays for them at
+  ``none``'s step time. Their number is what the accuracy run's byte counts say: with ``T`` steps,
+  a whole-run ratio ``R`` and a steady ratio ``r``, the run sent ``T / R`` gradients' worth where
+  steady compression alone would send ``T / r``, which is ``D = (T/R - T/r) / (1 - 1/r)``
+  dense-equivalent steps, charged to the first ``D`` steps.
 
 The two measurements need not have run the same model or batch: the link rows here are ResNet-18
 with 32 images per rank, while an accuracy run may use ``--model resnet10`` or another
@@ -35,6 +40,7 @@ __all__ = [
     "caption",
     "columns",
     "compute",
+    "dense_equivalent_steps",
     "link_step_times",
     "main",
     "mean_history",
@@ -99,6 +105,18 @@ def steps_to_target(curve: list[dict[str, Any]], target: float) -> int | None:
     return next((p["step"] for p in curve if p["mean"] >= target - TOLERANCE), None)
 
 
+def dense_equivalent_steps(rows: list[dict[str, Any]]) -> float:
+    """Steps' worth of uncompressed gradient a codec sent beyond its steady compression (its
+    warm-ups), from the runs' whole-run and steady ratios (mean over the runs; 0 when unknown)."""
+    found = []
+    for r in rows:
+        steps, whole, steady = r.get("steps"), r.get("compression_ratio"), r.get("compression_ratio_last")
+        if not steps or not whole or not steady or steady <= 1.0 + 1e-6:
+            continue
+        found.append(max(0.0, (steps / whole - steps / steady) / (1.0 - 1.0 / steady)))
+    return sum(found) / len(found) if found else 0.0
+
+
 def accuracy_curves(rows: list[dict[str, Any]], task: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """Per codec label, from the runs of ``task`` with status ok: its mean history curve, the mean
     final metric, the seeds, model, batch size and ranks. A codec with runs of several
@@ -125,6 +143,7 @@ def accuracy_curves(rows: list[dict[str, Any]], task: str) -> tuple[dict[str, di
             "model": first.get("model") or recipe_option(shlex.split(first.get("command", "")), "--model"),
             "batch_size": first.get("batch_size"),
             "world_size": (first.get("raw") or {}).get("world_size", first.get("devices")),
+            "dense_steps": dense_equivalent_steps(runs),
         }
     missing = [codec for codec, c in out.items() if not c["curve"]]
     if missing:
@@ -207,16 +226,30 @@ def compute(
             warnings.append(f"no link rows at {rate} with {hosts} hosts (model {model})")
         times: dict[str, float | None] = {}
         rate_rows = []
+        dense_s = step_s.get("none")
         for codec, c in codecs.items():
             steps = steps_to_target(c["curve"], target)
             s = step_s.get(codec)
-            tta = steps * s if steps is not None and s is not None else None
-            times[codec] = tta
+            base = codec.split("@", 1)[0]
+            borrowed = s is None and "@" in codec and step_s.get(base) is not None
+            if borrowed:  # another configuration of a codec that sends the same bytes (an option
+                s = step_s[base]  # such as momentum correction): its step time, said in the note
+            dense = min(float(steps), c["dense_steps"]) if steps is not None else c["dense_steps"]
+            tta = None
             note = ""
+            if steps is not None and s is not None:
+                tta = steps * s
+                if dense > 0 and dense_s is not None:  # the warm-up's dense steps, at none's pace
+                    tta += dense * max(0.0, dense_s - s)
+                elif dense > 0:
+                    note = f"{dense:.0f} dense steps not charged (no link row for none at {rate})"
+            times[codec] = tta
             if not c["curve"]:
                 note = "no validation history"
             elif s is None:
                 note = f"no link row for {codec} at {rate}"
+            elif borrowed:
+                note = f"step time of {base}"
             rate_rows.append(
                 {
                     "codec": codec,
@@ -229,6 +262,7 @@ def compute(
                     "reached": steps is not None,
                     "steps_text": str(steps) if steps is not None else ("not reached" if c["curve"] else "-"),
                     "budget_steps": c["steps"],
+                    "dense_steps": c["dense_steps"],
                     "step_s": s,
                     "tta_s": tta,
                     "note": note,
@@ -280,7 +314,9 @@ def caption(meta: dict[str, Any]) -> str:
         f"{f'batch {acc_batch}' if acc_batch else 'the recipe default batch'} per rank, "
         f"{meta.get('accuracy_world_size')} ranks; validation metric at each validation step, mean over seeds), "
         f"the time of one step from the shaped-link runs ({meta.get('link_model')}, batch "
-        f"{meta.get('link_batch_size')} per rank, {meta.get('hosts')} hosts; median step time). {goal}"
+        f"{meta.get('link_batch_size')} per rank, {meta.get('hosts')} hosts; median step time). Steps a codec "
+        "sent uncompressed (its warm-up, counted from the run's bytes) are charged at none's step time. "
+        f"{goal}"
     )
 
 
@@ -290,6 +326,7 @@ def columns(compare: list[str] | tuple[str, ...]) -> list[Column]:
         Column("rate", "link"),
         Column("final_metric", "final", "{:.4f}"),
         Column("steps_text", "steps to target"),
+        Column("dense_steps", "dense steps", "{:.0f}"),
         Column("step_s", "step s", "{:.3f}"),
         Column("tta_s", "time to acc. s", "{:.0f}"),
         *(Column(f"speedup_vs_{b}", f"x vs {b}", "{:.2f}") for b in compare),
