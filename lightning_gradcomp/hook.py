@@ -144,8 +144,10 @@ class CodecHookState:
         whose learning rate for parameter ``k`` is ``lr_by_key[k]``, multiply its residual by
         ``lr_then / lr_now``, where ``lr_then`` is the rate it was last scaled to, so that
         ``lr_now * residual`` stays the update the held-back gradients would have made at their own
-        steps. A rate of 0 changes nothing (that step applies nothing). Identical on every rank,
-        as the rates are; a no-op when the codec does not ask for it. Call it between steps."""
+        steps. A rate of 0 leaves the residual and its rate as they are (what that step sends is
+        applied with rate 0, so it is lost: schedules reach 0 at most at their last step).
+        Identical on every rank, as the rates are; a no-op when the codec does not ask for it.
+        Call it before each backward (repeating it at an unchanged rate changes nothing)."""
         if not (self.codec.error_feedback and getattr(self.codec, "lr_scaled_feedback", False)):
             return
         with self.memory._lock:

@@ -132,6 +132,13 @@ class CompressedDDPStrategy(DDPStrategy):
         codec = self.codec
         if not codec.momentum:
             return
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            # the bucket then holds gradients times the loss scale, which changes during the run:
+            # the velocity would mix scales and the codec's weight decay would shrink by it
+            raise ValueError(
+                "momentum correction needs unscaled gradients in the hook: precision='16-mixed' scales the loss "
+                "(GradScaler). Use precision='bf16-mixed' or '32-true', or momentum=0 in the codec."
+            )
         for opt in self.optimizers:
             for group in opt.param_groups:
                 if group.get("momentum", 0) or (codec.weight_decay and group.get("weight_decay", 0)):
@@ -195,6 +202,18 @@ class CompressedDDPStrategy(DDPStrategy):
         return int(total) if total is not None and total != float("inf") else None
 
     @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        state = self.hook_state
+        if state is not None and getattr(state.codec, "lr_scaled_feedback", False):
+            # before the backward whose hook adds the residuals, in automatic and manual
+            # optimization alike; again for every accumulated micro-batch, which changes nothing
+            rates: dict[str, float] = {}
+            for opt in self.optimizers:
+                rates.update(_learning_rates(opt, state.param_names))
+            state.rescale_residuals(rates)
+
+    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         state = self.hook_state
         if state is None:
@@ -208,8 +227,6 @@ class CompressedDDPStrategy(DDPStrategy):
                 result.append(closure())
             return result[0]
 
-        if getattr(state.codec, "lr_scaled_feedback", False):
-            state.rescale_residuals(_learning_rates(optimizer, state.param_names))
         closure_once()
         if state.consume_skip():
             if self.nonfinite == "raise":

@@ -458,3 +458,22 @@ def test_leader_bases_are_broadcast_and_error_feedback_conserves_the_gradient():
         mean_res = (r0["residual"][n] + r1["residual"][n]) / 2
         assert torch.allclose(r0["sent_sum"][n] + mean_res, mean_grad, atol=1e-5), n
         assert float(mean_res.abs().max()) > 1e-4  # something really was held back
+
+
+def test_leader_basis_is_never_fitted_on_a_non_finite_gradient():
+    # a step with NaN/Inf is skipped by the hook; the learned bases must not take it in
+    codec = GradiVeQCodec(min_numel=0, refit_every=3)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64 * 40, generator=gen)
+    param = torch.zeros_like(x)
+    codec.prepare_bucket([("w", x, param)], step=2)  # the first fit
+    fitted = codec._u32["w"].clone()
+    assert bool(torch.isfinite(fitted).all())
+    bad = x.clone()
+    bad[5] = float("nan")
+    bad[9] = float("inf")
+    codec.prepare_bucket([("w", bad, param)], step=5)  # a refit, due at step 5, on a NaN gradient
+    assert torch.equal(codec._u32["w"], fitted)  # the previous basis stays
+    fresh = GradiVeQCodec(min_numel=0)
+    fresh.prepare_bucket([("w", bad, param)], step=2)  # no basis yet: a finite one, unit vectors
+    assert torch.equal(fresh._u32["w"], torch.eye(64, 4))

@@ -93,3 +93,24 @@ def test_rescale_arithmetic_zero_rate_and_switch():
 def test_option_needs_error_feedback():
     with pytest.raises(ValueError, match="lr_scaled_feedback"):
         make_codec("topk", error_feedback=False, lr_scaled_feedback=True)
+
+
+def test_strategy_rescales_before_every_backward_with_each_optimizer_rate():
+    # pre_backward runs before the backward whose hook adds the residuals, in automatic and in
+    # manual optimization; every optimizer's groups give their parameters' rates
+    from lightning_gradcomp import CompressedDDPStrategy
+
+    strategy = CompressedDDPStrategy(codec="topk", codec_options={"lr_scaled_feedback": True})
+    a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
+    opt_a, opt_b = torch.optim.SGD([a], lr=0.1), torch.optim.SGD([b], lr=0.4)
+    strategy.optimizers = [opt_a, opt_b]
+    state = CodecHookState(strategy.codec, param_names={id(a): "a", id(b): "b"})
+    strategy.hook_state = state
+    strategy.pre_backward(torch.tensor(0.0))
+    assert state.residual_lr == {"a": 0.1, "b": 0.4}
+    state.memory.residuals.update(a=torch.ones(3), b=torch.ones(3))
+    opt_a.param_groups[0]["lr"], opt_b.param_groups[0]["lr"] = 0.05, 0.4
+    strategy.pre_backward(torch.tensor(0.0))
+    strategy.pre_backward(torch.tensor(0.0))  # a second micro-batch of the same step: no change
+    assert torch.allclose(state.memory.residuals["a"], torch.full((3,), 2.0))
+    assert torch.equal(state.memory.residuals["b"], torch.ones(3))

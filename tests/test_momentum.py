@@ -86,3 +86,16 @@ def test_strategy_refuses_an_optimizer_that_adds_momentum_again():
         strategy._check_optimizer_momentum()
     strategy.optimizers = [torch.optim.SGD(params, lr=0.1)]
     strategy._check_optimizer_momentum()
+
+
+def test_strategy_refuses_momentum_correction_with_a_loss_scaler():
+    # 16-mixed puts loss-scaled gradients in the bucket: the velocity would mix scales
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    strategy = CompressedDDPStrategy(codec="topk", codec_options={"momentum": 0.9})
+    strategy.optimizers = [torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1)]
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="16-mixed"):
+        strategy._check_optimizer_momentum()
+    strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+    strategy._check_optimizer_momentum()

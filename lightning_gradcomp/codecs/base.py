@@ -121,7 +121,7 @@ class Codec:
             computed it, as in the error feedback of the papers (Stich et al. 2018 and
             Karimireddy et al. 2019 keep ``lr_t * g_t`` in the memory). Without it a residual
             held through a decaying schedule is applied at the later, smaller rate. The strategy
-            reads the rates from the optimizer before each step; with ``make_comm_hook`` call
+            reads the rates from the optimizers before each backward; with ``make_comm_hook`` call
             ``state.rescale_residuals({name: lr})`` before each backward. Default False.
     """
 

@@ -500,11 +500,19 @@ class GradiVeQCodec(Codec):
         msg = torch.empty(len(fitting), d, kk, dtype=torch.float32, device=device)
         if self.rank == leader:
             grams = torch.stack([_scaled_gram(x[: (x.numel() // d) * d].view(-1, d)) for _, x in fitting])
+            # a non-finite gradient (a step the hook will skip) must not become a basis: its layers
+            # keep their previous basis (the first k unit vectors before any), decided without a
+            # host sync, and eigh sees finite input (on CUDA it would raise on NaN, on the leader only)
+            finite = torch.isfinite(grams).flatten(1).all(1)
+            grams = torch.nan_to_num(grams, nan=0.0, posinf=0.0, neginf=0.0)
             # one batched eigh for the bucket: on CUDA eigh waits for the GPU (it checks for
             # convergence failures on the host), so a call per layer would wait per layer
             _, vecs = torch.linalg.eigh(grams)
-            for i in range(len(fitting)):
-                msg[i] = _directions(grams[i], vecs[i], kk)[0]
+            for i, (key, _) in enumerate(fitting):
+                previous = self._u32.get(key)
+                if previous is None:
+                    previous = torch.eye(d, kk, dtype=torch.float32, device=device)
+                msg[i] = torch.where(finite[i], _directions(grams[i], vecs[i], kk)[0], previous)
         if world > 1:
             dist.broadcast(msg, src=leader)
         for (key, _), u in zip(fitting, msg):

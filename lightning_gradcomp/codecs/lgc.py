@@ -32,7 +32,10 @@ Two variants of stage 3 (``variant``):
 
 Layers whose ``k`` is below :data:`MIN_AE_LEN` send their values on the shared support without the AE
 (all-reduced or all-gathered sums of ``v_i``, exact). Residual (error feedback): everything outside
-``S``; with ``"ps"`` also ``v_i - s * D(z, u_i)``, which every rank knows exactly.
+``S``; with ``"ps"`` also ``v_i - s * D(z, u_i)``, which every rank knows exactly; with ``"rar"``
+and ``ae_error_feedback`` (default) also ``v_i - s * D(E(v_i / s))``, this rank's own account of
+what the AE lost. Since ``D`` is nonlinear, the aggregate ``N s D(mean_i z_i)`` is not exactly the
+sum of those per-rank reconstructions, so error feedback is exact only up to that difference.
 """
 
 from __future__ import annotations
