@@ -171,7 +171,7 @@ def _expected_wire(stage: int, variant: str, world: int) -> float:
     codes = sum(encoded_nbytes(choose_encoding("auto", k, n), k, n) for k, n in zip(ks, sizes))
     if stage == 2:  # positions broadcast as a compact code; values all-gathered
         return codes + (world - 1) * 4 * (sum(ks) + dense)
-    bcast = codes + 4 * len(ks)  # positions and one scale per layer
+    bcast = codes + 8 * len(ks)  # positions, one scale and one guard flag per layer
     lat = [LATENT * GradientAutoencoder.latent_len(k) for k in ks]
     if variant == "rar":  # latents summed in the ring all-reduce
         return bcast + 2 * (world - 1) / world * 4 * (sum(lat) + dense)
@@ -376,3 +376,59 @@ def test_default_stages_are_fractions_of_the_run(tmp_path):
         # 40 steps: stage 1 for 0.05 of them (2 steps), stage 2 for 0.1 (4 steps), then the AE
         assert seen["total"] == 40 and seen["trained"]
         assert seen["stages"] == [1] * 2 + [2] * 4 + [3] * 34
+
+
+# --------------------------------------------------------------------------------------------------
+# the run-time guard: a code that no longer reconstructs is replaced by exact values, on every rank
+def _guarded_stage3(rank: int, world: int, break_ae: bool) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_gradcomp.api import make_comm_hook
+
+    torch.manual_seed(0)
+    model = _mlp()
+    ddp = DDP(model)
+    state, hook = make_comm_hook("lgc", ddp, stats_every=1, **OPTS)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(11 + rank)
+    rows = []
+    for step in range(WARMUP + AE_STEPS + 3):
+        if state.codec.ae_trained and break_ae and state.codec.max_recon_error > 1:
+            # the same on both ranks: a code whose output is zero (relative error 1), and a
+            # threshold that the guard, not the gate at the switch, now applies
+            for p in state.codec.ae.parameters():
+                p.data.zero_()
+            state.codec.max_recon_error = 0.5
+        x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        st = state.stats.pop()
+        rows.append({"stage": state.codec.stage(step), "used": state.codec.ae_layers_used,
+                     "payload": st.payload_bytes, "err_sq": st.err_sq, "ref_sq": st.ref_sq,
+                     "grads": [p.grad.clone() for p in model.parameters()]})
+        opt.step()
+    return {"rows": rows}
+
+
+@pytest.mark.parametrize("break_ae", [False, True])
+def test_run_time_guard_sends_exact_values_when_the_code_fails(break_ae):
+    r0, r1 = run_gloo(_guarded_stage3, 2, args=(break_ae,))
+    stage3 = [i for i, r in enumerate(r0["rows"]) if r["stage"] == 3]
+    assert stage3, "the run never reached stage 3"
+    sizes = [p.numel() for p in _mlp().parameters() if p.numel() >= 1000]
+    ks = [math.ceil(RATIO * n) for n in sizes]
+    dense = sum(p.numel() for p in _mlp().parameters() if p.numel() < 1000) + 1
+    lat = [LATENT * GradientAutoencoder.latent_len(k) for k in ks]
+    # the leader's message: positions, one scale and one guard flag per layer
+    bcast = sum(encoded_nbytes(choose_encoding("auto", k, n), k, n) for k, n in zip(ks, sizes)) + 8 * len(ks)
+    for i in stage3[1:]:  # from the first full step after the switch
+        a, b = r0["rows"][i], r1["rows"][i]
+        assert a["used"] == b["used"]  # the leader's flags: the same on every rank
+        for ga, gb in zip(a["grads"], b["grads"]):
+            assert torch.equal(ga, gb)
+        if break_ae:  # every layer falls back to its exact values on the support
+            assert a["used"] == (0, len(ks)) and a["payload"] == bcast + 4 * (sum(ks) + dense)
+            assert a["err_sq"] < a["ref_sq"]  # exact on the support: less error than sending nothing
+        else:
+            assert a["used"] == (len(ks), len(ks)) and a["payload"] == bcast + 4 * (sum(lat) + dense)

@@ -29,7 +29,11 @@ class AutoencoderWarmup(Callback):
     - ``gradcomp/ae_loss``: the autoencoder's last-epoch training loss, once trained;
     - ``gradcomp/ae_recon_error``: ``||v_hat - v|| / ||v||`` of the decoded aggregate on held-out
       stage-2 samples, once trained;
-    - ``gradcomp/ae_train_s``: how long the switch took on this rank.
+    - ``gradcomp/ae_train_s``: how long the switch took on this rank;
+    - ``gradcomp/ae_layers``: in stage 3, how many layers the AE carried at this step (the
+      run-time guard sends a layer's exact values when the leader's own values do not come back
+      through the AE within ``max_recon_error``), and ``gradcomp/ae_layers_eligible``, how many
+      passed the gate at the switch.
 
     Args:
         warmup_steps: if given, overrides the codec's ``warmup_steps`` before training starts.
@@ -81,4 +85,7 @@ class AutoencoderWarmup(Callback):
             scalars["gradcomp/ae_loss"] = codec.ae_loss
             scalars["gradcomp/ae_recon_error"] = codec.ae_recon_error
             scalars["gradcomp/ae_train_s"] = codec.ae_train_s
+            used, eligible = codec.ae_layers_used
+            scalars["gradcomp/ae_layers"] = float(used)
+            scalars["gradcomp/ae_layers_eligible"] = float(eligible)
         pl_module.log_dict(scalars, on_step=True, on_epoch=False, batch_size=1)

@@ -236,6 +236,8 @@ class LGCCodec(Codec):
         self._step = 0
         self._shared: dict[str, tuple[Tensor, float, Tensor | None]] = {}  # key -> support, scale, leader z
         self.last_timing: dict[str, float] = {}
+        self._ae_layers_used = (0, 0)  # of the last step: layers the AE carried, layers it may carry
+        self._ae_count_step = -1
 
     # training summary (kept out of options(): it changes during the run)
     @property
@@ -251,6 +253,12 @@ class LGCCodec(Codec):
     def ae_recon_error(self) -> float:
         """Relative error of the decoded aggregate on held-out stage-2 samples (NaN before training)."""
         return float(self._ae_state["recon_error"])
+
+    @property
+    def ae_layers_used(self) -> tuple[int, int]:
+        """Of the last step: how many layers the AE carried, and how many it may carry (those that
+        passed the gate at the switch); the run-time guard sent the others' values exactly."""
+        return self._ae_layers_used
 
     @property
     def ae_train_s(self) -> float:
@@ -325,14 +333,15 @@ class LGCCodec(Codec):
         lat = [self.latent_channels * GradientAutoencoder.latent_len(k) if a else 0 for k, a in zip(sizes, use_ae)]
         n_scales = sum(use_ae)
         n_lat = sum(lat) if self.variant == "ps" else 0
-        # one byte message: the scales and the leader's latents as fp32 (first, so that their
-        # views stay aligned), then every layer's support as a position code; all sizes follow
-        # from k and n, so no header travels
-        nbytes = sum(code_bytes) + 4 * (n_scales + n_lat)
+        # one byte message: for each layer that may use the AE its scale and its flag (1: the AE
+        # carries it this step, 0: exact values), the leader's latents (all fp32, first, so that
+        # their views stay aligned), then every layer's support as a position code; all sizes
+        # follow from k and n, so no header travels
+        nbytes = sum(code_bytes) + 4 * (2 * n_scales + n_lat)
         msg = torch.empty(nbytes, dtype=torch.uint8, device=device)
         supports: list[Tensor | None] = [None] * len(layers)
         if is_leader:
-            parts, scales, zs = [], [], []
+            parts, scales, flags, zs = [], [], [], []
             for i, ((key, x, _), k, a, e, n) in enumerate(zip(layers, sizes, use_ae, encodings, numels)):
                 idx = self._select(x, k, step)
                 supports[i] = idx
@@ -341,10 +350,13 @@ class LGCCodec(Codec):
                     v = x[idx]
                     s = v.pow(2).mean().sqrt() + 1e-30
                     scales.append(s)
-                    if self.variant == "ps":
-                        with torch.no_grad():
-                            zs.append(self.ae.encode((v / s).unsqueeze(0)).reshape(-1))
+                    with torch.no_grad():
+                        z = self.ae.encode((v / s).unsqueeze(0)) if self.variant == "ps" else None
+                        flags.append(self._code_is_good(v, s, z, x.numel()))
+                    if z is not None:
+                        zs.append(z.reshape(-1))
             head = [torch.stack(scales).to(torch.float32).view(torch.uint8)] if scales else []
+            head += [torch.stack(flags).to(torch.float32).view(torch.uint8)] if flags else []
             head += [z.to(torch.float32).view(torch.uint8) for z in zs]
             parts = head + parts
             if parts:
@@ -352,34 +364,60 @@ class LGCCodec(Codec):
         if world > 1 and nbytes:
             dist.broadcast(msg, src=leader)
         scale_values = msg[: 4 * n_scales].view(torch.float32)
-        latents = msg[4 * n_scales : 4 * (n_scales + n_lat)].view(torch.float32)
-        off_b, off_s, off_z = 4 * (n_scales + n_lat), 0, 0
+        # the one host read of this bucket in stage 3: which layers travel as codes decides the
+        # payload's shape (every rank reads the same flags)
+        flag_values = msg[4 * n_scales : 8 * n_scales].view(torch.float32).tolist() if n_scales else []
+        latents = msg[8 * n_scales : 4 * (2 * n_scales + n_lat)].view(torch.float32)
+        off_b, off_s, off_z = 4 * (2 * n_scales + n_lat), 0, 0
+        if step != self._ae_count_step:  # counted over the buckets of one step
+            self._ae_layers_used, self._ae_count_step = (0, 0), step
         for i, ((key, _, _), k, a, nl, e, b, n) in enumerate(zip(layers, sizes, use_ae, lat, encodings, code_bytes, numels)):
             idx = supports[i]
             if idx is None:
                 idx = decode_positions(msg[off_b : off_b + b], k, n, e)
             off_b += b
-            s, z = 1.0, None
+            s, z, coded = 1.0, None, False
             if a:
                 s = scale_values[off_s : off_s + 1].clone()  # a tensor: no host sync per layer
+                coded = flag_values[off_s] > 0.5
                 off_s += 1
                 if self.variant == "ps":
-                    z = latents[off_z : off_z + nl].view(1, self.latent_channels, -1)
+                    z = latents[off_z : off_z + nl].view(1, self.latent_channels, -1) if coded else None
                     off_z += nl
-            self._shared[key] = (idx, s, z)
+                used, eligible = self._ae_layers_used
+                self._ae_layers_used = (used + int(coded), eligible + 1)
+            self._shared[key] = (idx, s, z, coded)
         self.last_timing["prepare_s"] = time.perf_counter() - t0
         return nbytes
+
+    def _code_is_good(self, v: Tensor, s: Tensor, z: Tensor | None, numel: int) -> Tensor:
+        """The run-time guard, on the leader: 1.0 when its own values ``v`` come back through the AE
+        with a relative error of at most ``max_recon_error``, else 0.0 (exact values this step).
+
+        The gate at the switch measures held-out stage-2 values; afterwards the values change
+        (training moves on, and with ``ae_error_feedback`` the AE's own error returns in them), and
+        a code that drifts would send more noise than signal every step. A 0-d tensor: no sync."""
+        k = v.numel()
+        if self.variant == "rar":
+            rec = s * self.ae.decode(self.ae.encode((v / s).unsqueeze(0)), k)[0]
+        else:
+            u = torch.zeros_like(v)
+            pos = torch.topk(v.abs(), self.innovation_k(numel), sorted=False).indices
+            u[pos] = v[pos] / s
+            rec = s * self.ae.decode(z, k, u.unsqueeze(0))[0]
+        error = (v - rec).norm() / v.norm().clamp_min(1e-30)
+        return (error <= self.max_recon_error).to(torch.float32)
 
     # ----------------------------------------------------------------------------------------------
     # encode / decode
     def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
-        idx, s, z_lead = self._shared.pop(key)
+        idx, s, z_lead, coded = self._shared.pop(key)
         v = x[idx]
         local = torch.zeros_like(x)
         k = idx.numel()
-        if self.stage(step) < 3 or k < MIN_AE_LEN or key not in self._ae_layers:
+        if not coded:  # stage 2, a layer the AE does not carry, or one the guard sent exactly
             local[idx] = v
-            return EncodeResult([v], local=local, ctx=(idx, s, None, step, key))
+            return EncodeResult([v], local=local, ctx=(idx, s, None, step, key, False))
         with torch.no_grad():
             if self.variant == "rar":
                 z = self.ae.encode((v / s).unsqueeze(0))
@@ -391,20 +429,20 @@ class LGCCodec(Codec):
                     local = sent  # the residual keeps the AE's error on the support too
                 else:
                     local[idx] = v  # the residual keeps only what is off the support
-                return EncodeResult([z.reshape(-1)], local=local, ctx=(idx, s, None, step, key), sent=sent)
+                return EncodeResult([z.reshape(-1)], local=local, ctx=(idx, s, None, step, key, True), sent=sent)
             # ps: send the innovation; what the server will reconstruct for this rank is known here
             ki = self.innovation_k(x.numel())
             pos = torch.topk(v.abs(), ki, sorted=False).indices
             u = torch.zeros_like(v)
             u[pos] = v[pos] / s
             local[idx] = s * self.ae.decode(z_lead, k, u.unsqueeze(0))[0]
-            return EncodeResult([v[pos], pos.to(torch.int32)], local=local, ctx=(idx, s, z_lead, step, key))
+            return EncodeResult([v[pos], pos.to(torch.int32)], local=local, ctx=(idx, s, z_lead, step, key, True))
 
     def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
         # allreduce (RAR stage 3): payload is the sum over ``count`` ranks; return the sum of gradients
-        idx, s = ctx[0], ctx[1]
+        idx, s, coded = ctx[0], ctx[1], ctx[5]
         out = torch.zeros(numel, dtype=torch.float32, device=payload[0].device)
-        if idx.numel() < MIN_AE_LEN or ctx[4] not in self._ae_layers:
+        if not coded:
             out[idx] = payload[0].float()
             return out
         with torch.no_grad():
@@ -413,7 +451,7 @@ class LGCCodec(Codec):
         return out
 
     def aggregate(self, payloads: Sequence[list[Tensor]], ctx: Any, numel: int) -> Tensor:
-        idx, s, z_lead, step, key = ctx
+        idx, s, z_lead, step, key, _ = ctx
         out = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
         k = idx.numel()
         if z_lead is None:  # stage 2, or a layer too short for the AE: plain values on the support
