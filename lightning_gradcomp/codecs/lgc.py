@@ -164,8 +164,11 @@ class LGCCodec(Codec):
             then exact top-k among the candidates, as DGC; ~3x cheaper) or ``"exact"``.
         max_recon_error: a layer uses the AE in stage 3 only if the held-out relative error of its
             decoded aggregate is at most this; other layers keep sending their values on the shared
-            support (stage 2's exact sum). Our choice, so that a poor code cannot silently drop the
-            values; ``float("inf")`` uses the AE everywhere.
+            support (stage 2's exact sum). The same threshold guards every stage-3 step: the
+            leader passes its own values through the AE, and a layer whose relative error is
+            above it is sent exactly for that step, on every rank (a code can drift once its own
+            error is fed back). Our choice, so that a poor code cannot silently drop the values;
+            ``float("inf")`` uses the AE everywhere.
         ae_error_feedback: ``"rar"``: keep the AE's own error on the support,
             ``v - s D(E(v / s))``, in the residual (default True), so what the code misses is sent
             later instead of being lost; False keeps only what is off the support (the paper's
