@@ -163,7 +163,8 @@ class LGCCodec(Codec):
         selection: how the leader finds the top-k: ``"sampled"`` (threshold from a random sample,
             then exact top-k among the candidates, as DGC; ~3x cheaper) or ``"exact"``.
         max_recon_error: a layer uses the AE in stage 3 only if the held-out relative error of its
-            decoded aggregate is at most this; other layers keep sending their values on the shared
+            decoded aggregate is at most this (default 0.3: at 0.7 layers whose code lost half their
+            energy passed and then drifted, docs/codecs/lgc.md); other layers keep sending their values on the shared
             support (stage 2's exact sum). The same threshold guards every stage-3 step: the
             leader passes its own values through the AE, and a layer whose relative error is
             above it is sent exactly for that step, on every rank (a code can drift once its own
@@ -174,7 +175,8 @@ class LGCCodec(Codec):
             later instead of being lost; False keeps only what is off the support (the paper's
             choice). ``gradcomp/rel_error`` includes the AE's error either way.
         seed: seeds the AE initialization, its training and the sampling.
-        **kwargs: the common codec options (``error_feedback`` on by default, ``min_numel``).
+        **kwargs: the common codec options (``error_feedback`` on by default, ``min_numel``;
+            ``lr_scaled_feedback`` is on by default here, see :class:`~lightning_gradcomp.codecs.base.Codec`).
     """
 
     default_error_feedback = True
@@ -194,13 +196,16 @@ class LGCCodec(Codec):
         ae_time_budget_s: float = 30.0,
         ae_samples: int = 64,
         selection: str = "sampled",
-        max_recon_error: float = 0.7,
+        max_recon_error: float = 0.3,
         ae_error_feedback: bool = True,
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
         if "start_step" in kwargs:
             raise ValueError("lgc schedules its stages with warmup_steps and ae_train_steps, not start_step")
+        # error feedback in units of the update by default: measured to help this codec under the
+        # recipes' cosine schedule (docs/codecs/lgc.md); it needs error feedback
+        kwargs.setdefault("lr_scaled_feedback", kwargs.get("error_feedback") is not False)
         super().__init__(**kwargs)
         self.variant = check_choice("variant", variant, VARIANTS)
         self.warmup_steps = check_run_steps("warmup_steps", warmup_steps)
