@@ -122,7 +122,7 @@ class Codec:
             Karimireddy et al. 2019 keep ``lr_t * g_t`` in the memory). Without it a residual
             held through a decaying schedule is applied at the later, smaller rate. The strategy
             reads the rates from the optimizers before each backward; with ``make_comm_hook`` call
-            ``state.rescale_residuals({name: lr})`` before each backward. Default False.
+            ``state.rescale_residuals({name: lr})`` before each backward. Default False (``lgc``: True).
     """
 
     #: registry name, set by ``register_codec``
