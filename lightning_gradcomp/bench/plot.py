@@ -186,6 +186,13 @@ def plot_accuracy_vs_time(
     except ValueError:
         return []
     step_s = {r["codec"]: r["step_s"] for r in result["rows"] if r.get("step_s")}
+    dense = {r["codec"]: r.get("dense_steps") or 0.0 for r in result["rows"]}
+
+    def seconds(codec: str, step: int) -> float:
+        # as in tta: the warm-up's uncompressed steps at none's pace
+        s, extra = step_s[codec], max(0.0, step_s.get("none", step_s[codec]) - step_s[codec])
+        return step * s + min(float(step), dense.get(codec, 0.0)) * extra
+
     curves = {c: pts for c, pts in result["curves"].items() if pts and c in step_s}
     if not curves:
         return []
@@ -194,7 +201,7 @@ def plot_accuracy_vs_time(
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     colors = plt.get_cmap("tab20").colors
     for i, (codec, pts) in enumerate(curves.items()):
-        x = [p["step"] * step_s[codec] / 60 for p in pts]
+        x = [seconds(codec, p["step"]) / 60 for p in pts]
         color = colors[(2 * i) % 20 + (i // 10) % 2]
         ax.plot(x, [p["mean"] for p in pts], marker="o", markersize=3, color=color, label=codec)
         if any(p["max"] > p["min"] for p in pts):
@@ -202,7 +209,7 @@ def plot_accuracy_vs_time(
     ax.axhline(meta["none_final_metric"], color="black", linestyle="--", linewidth=0.8, label="none's final")
     if target is not None:
         ax.axhline(target, color="gray", linestyle=":", linewidth=0.8, label=f"target {target:g}")
-    ax.set_xlabel(f"wall-clock time at {_rate_label(rate)}, {hosts} hosts (min; link step time x steps)")
+    ax.set_xlabel(f"wall-clock time at {_rate_label(rate)}, {hosts} hosts (min; link step times x steps)")
     ax.set_ylabel(f"{meta.get('metric_name') or 'metric'} (test split)")
     ax.set_title(
         f"steps: accuracy runs ({meta.get('accuracy_model')}); step time: link runs ({meta.get('link_model')})",
