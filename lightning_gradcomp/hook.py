@@ -150,15 +150,13 @@ class CodecHookState:
         Call it before each backward (repeating it at an unchanged rate changes nothing)."""
         if not (self.codec.error_feedback and getattr(self.codec, "lr_scaled_feedback", False)):
             return
-        with self.memory._lock:
-            for key, lr_now in lr_by_key.items():
-                if not lr_now > 0:
-                    continue
-                lr_then = self.residual_lr.get(key)
-                residual = self.memory.residuals.get(key)
-                if residual is not None and lr_then is not None and lr_then != lr_now:
-                    residual.mul_(lr_then / lr_now)
-                self.residual_lr[key] = float(lr_now)
+        for key, lr_now in lr_by_key.items():
+            if not lr_now > 0:
+                continue
+            lr_then = self.residual_lr.get(key)
+            if lr_then is not None and lr_then != lr_now:
+                self.memory.scale(key, lr_then / lr_now)
+            self.residual_lr[key] = float(lr_now)
 
     def compressing(self, step: int | None = None) -> bool:
         step = self.step if step is None else step
@@ -291,9 +289,7 @@ class CodecHookState:
             buf.copy_(t[:n].view_as(buf))
             self.momentum_buffers.commit(all_keys)
             if flushed:
-                with memory._lock:
-                    for k in flushed:
-                        memory.residuals.pop(k, None)
+                memory.drop(flushed)
             for k, g in observe:
                 codec.observe_dense(k, g.reshape(-1), step)
             return buf
@@ -344,17 +340,16 @@ class CodecHookState:
             dense = torch.cat([g.reshape(-1) for g in dense_grads]).to(torch.float32).div_(world)
         else:
             dense = torch.zeros(0, dtype=torch.float32, device=buf.device)
-        flag_t = flag
         keys = [k for k, _, _, _ in inputs]
         all_keys = [k for k, _, _ in layers]
         if codec.collective == "allreduce":
             wire_dtype = getattr(codec, "wire_dtype", torch.float32)
             pieces = [t.reshape(-1).to(wire_dtype) for enc in encoded for t in enc.payload]
-            msg = torch.cat(pieces + [dense.to(wire_dtype), flag_t.to(wire_dtype)])
+            msg = torch.cat(pieces + [dense.to(wire_dtype), flag.to(wire_dtype)])
             nbytes = msg.numel() * msg.element_size()
             fut = allreduce_async(msg, self.process_group)
         elif codec.collective == "allgather":
-            msg, layout = pack([t for enc in encoded for t in enc.payload] + [dense, flag_t], buf.device)
+            msg, layout = pack([t for enc in encoded for t in enc.payload] + [dense, flag], buf.device)
             nbytes = layout.payload_bytes
             fut = allgather_async(msg, self.process_group)
         else:

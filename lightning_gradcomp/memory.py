@@ -59,6 +59,19 @@ class ResidualMemory:
             if r is not None:
                 r.mul_(keep)
 
+    def scale(self, key: str, factor: float) -> None:
+        """Multiply the current residual of ``key`` (if any) by ``factor``, in place."""
+        with self._lock:
+            r = self.residuals.get(key)
+            if r is not None:
+                r.mul_(factor)
+
+    def drop(self, keys: list[str]) -> None:
+        """Forget the current residuals of ``keys`` (they were sent in full)."""
+        with self._lock:
+            for k in keys:
+                self.residuals.pop(k, None)
+
     def discard(self, keys: list[str]) -> None:
         with self._lock:
             for k in keys:

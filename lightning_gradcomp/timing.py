@@ -110,6 +110,4 @@ def resolve(value: object) -> float:
     """A number from a float, a :class:`Span` or a 0-d tensor (statistics kept lazily)."""
     if isinstance(value, Span):
         return value.seconds()
-    if isinstance(value, torch.Tensor):
-        return float(value)
     return float(value)  # type: ignore[arg-type]

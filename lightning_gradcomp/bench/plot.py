@@ -188,11 +188,6 @@ def plot_accuracy_vs_time(
     step_s = {r["codec"]: r["step_s"] for r in result["rows"] if r.get("step_s")}
     dense = {r["codec"]: r.get("dense_steps") or 0.0 for r in result["rows"]}
 
-    def seconds(codec: str, step: int) -> float:
-        # as in tta: the warm-up's uncompressed steps at none's pace
-        s, extra = step_s[codec], max(0.0, step_s.get("none", step_s[codec]) - step_s[codec])
-        return step * s + min(float(step), dense.get(codec, 0.0)) * extra
-
     curves = {c: pts for c, pts in result["curves"].items() if pts and c in step_s}
     if not curves:
         return []
@@ -201,7 +196,8 @@ def plot_accuracy_vs_time(
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     colors = plt.get_cmap("tab20").colors
     for i, (codec, pts) in enumerate(curves.items()):
-        x = [seconds(codec, p["step"]) / 60 for p in pts]
+        # as in tta: the warm-up's uncompressed steps at none's pace
+        x = [tta_mod.seconds_to_step(p["step"], step_s[codec], dense[codec], step_s.get("none")) / 60 for p in pts]
         color = colors[(2 * i) % 20 + (i // 10) % 2]
         ax.plot(x, [p["mean"] for p in pts], marker="o", markersize=3, color=color, label=codec)
         if any(p["max"] > p["min"] for p in pts):

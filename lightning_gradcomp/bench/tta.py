@@ -41,6 +41,7 @@ __all__ = [
     "columns",
     "compute",
     "dense_equivalent_steps",
+    "seconds_to_step",
     "link_step_times",
     "main",
     "mean_history",
@@ -103,6 +104,13 @@ def mean_history(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def steps_to_target(curve: list[dict[str, Any]], target: float) -> int | None:
     """The first step of ``curve`` whose mean reaches ``target``; ``None`` when none does."""
     return next((p["step"] for p in curve if p["mean"] >= target - TOLERANCE), None)
+
+
+def seconds_to_step(step: float, step_s: float, dense_steps: float, dense_step_s: float | None) -> float:
+    """Wall time of a codec's first ``step`` steps: ``step_s`` each, except that the first
+    ``dense_steps`` (its uncompressed warm-up) take ``dense_step_s`` (none's), when it is known."""
+    extra = max(0.0, dense_step_s - step_s) if dense_step_s is not None else 0.0
+    return step * step_s + min(float(step), dense_steps) * extra
 
 
 def dense_equivalent_steps(rows: list[dict[str, Any]]) -> float:
@@ -234,14 +242,12 @@ def compute(
             borrowed = s is None and "@" in codec and step_s.get(base) is not None
             if borrowed:  # another configuration of a codec that sends the same bytes (an option
                 s = step_s[base]  # such as momentum correction): its step time, said in the note
-            dense = min(float(steps), c["dense_steps"]) if steps is not None else c["dense_steps"]
             tta = None
             note = ""
             if steps is not None and s is not None:
-                tta = steps * s
-                if dense > 0 and dense_s is not None:  # the warm-up's dense steps, at none's pace
-                    tta += dense * max(0.0, dense_s - s)
-                elif dense > 0:
+                tta = seconds_to_step(steps, s, c["dense_steps"], dense_s)
+                if c["dense_steps"] > 0 and dense_s is None:
+                    dense = min(float(steps), c["dense_steps"])
                     note = f"{dense:.0f} dense steps not charged (no link row for none at {rate})"
             times[codec] = tta
             if not c["curve"]:

@@ -138,31 +138,25 @@ def fit_pca(x: Tensor, k: int | None, explained_variance: float | None, center: 
     return u, mu, ev
 
 
-def _top_directions(x: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The ``k`` leading right singular directions of ``x`` (``S x d``) as fp32 columns (``d x k``),
-    from the ``d x d`` second moment in float64 (cheap for small ``d``), largest entry positive.
+def _scaled_gram(x: Tensor) -> Tensor:
+    """The ``d x d`` second moment ``x^T x`` of ``x`` (``S x d``) in float64, whose eigenvectors are
+    the right singular directions of ``x`` (cheap for small ``d``).
 
     ``x`` is scaled by its largest magnitude first: the directions do not change, and the fp32
     products cannot overflow (values near 1e20 would square past fp32's range)."""
-    gram = _scaled_gram(x)
-    _, vecs = torch.linalg.eigh(gram)  # ascending
-    return _directions(gram, vecs, k)
-
-
-def _scaled_gram(x: Tensor) -> Tensor:
-    """``x^T x`` in float64 of ``x`` scaled by its largest magnitude (see :func:`_top_directions`)."""
     amax = x.abs().max()
     x = x / torch.where((amax > 0) & torch.isfinite(amax), amax, torch.ones_like(amax))  # no host sync
     return (x.T @ x).to(torch.float64)
 
 
-def _directions(gram: Tensor, vecs: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The ``k`` leading eigenvectors from ``eigh``'s ascending ``vecs``, largest entry positive."""
+def _directions(vecs: Tensor, k: int) -> Tensor:
+    """The ``k`` leading eigenvectors from ``eigh``'s ascending ``vecs`` as fp32 columns
+    (``d x k``), each column's largest-magnitude entry positive."""
     u = vecs[:, -k:].flip(1)
     idx = u.abs().argmax(0)
     signs = torch.sign(u[idx, torch.arange(k, device=u.device)])
     signs[signs == 0] = 1
-    return (u * signs).to(torch.float32), gram, vecs
+    return (u * signs).to(torch.float32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -512,7 +506,7 @@ class GradiVeQCodec(Codec):
                 previous = self._u32.get(key)
                 if previous is None:
                     previous = torch.eye(d, kk, dtype=torch.float32, device=device)
-                msg[i] = torch.where(finite[i], _directions(grams[i], vecs[i], kk)[0], previous)
+                msg[i] = torch.where(finite[i], _directions(vecs[i], kk), previous)
         if world > 1:
             dist.broadcast(msg, src=leader)
         for (key, _), u in zip(fitting, msg):

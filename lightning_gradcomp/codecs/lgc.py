@@ -348,6 +348,7 @@ class LGCCodec(Codec):
         nbytes = sum(code_bytes) + 4 * (2 * n_scales + n_lat)
         msg = torch.empty(nbytes, dtype=torch.uint8, device=device)
         supports: list[Tensor | None] = [None] * len(layers)
+        own_codes: list[tuple[Tensor, Tensor] | None] = [None] * len(layers)  # the leader's RAR codes
         if is_leader:
             parts, scales, flags, zs = [], [], [], []
             for i, ((key, x, _), k, a, e, n) in enumerate(zip(layers, sizes, use_ae, encodings, numels)):
@@ -358,11 +359,16 @@ class LGCCodec(Codec):
                     v = x[idx]
                     s = v.pow(2).mean().sqrt() + 1e-30
                     scales.append(s)
+                    # the run-time guard: the leader's own values through the AE, this step
                     with torch.no_grad():
-                        z = self.ae.encode((v / s).unsqueeze(0)) if self.variant == "ps" else None
-                        flags.append(self._code_is_good(v, s, z, x.numel()))
-                    if z is not None:
-                        zs.append(z.reshape(-1))
+                        if self.variant == "rar":
+                            own_codes[i] = self._rar_code(v, s)  # encode() reuses it
+                            rec = own_codes[i][1]
+                        else:
+                            z = self.ae.encode((v / s).unsqueeze(0))
+                            zs.append(z.reshape(-1))
+                            rec = s * self.ae.decode(z, k, self._innovation(v / s, n)[1].unsqueeze(0))[0]
+                    flags.append(self._within_gate(v, rec))
             head = [torch.stack(scales).to(torch.float32).view(torch.uint8)] if scales else []
             head += [torch.stack(flags).to(torch.float32).view(torch.uint8)] if flags else []
             head += [z.to(torch.float32).view(torch.uint8) for z in zs]
@@ -394,32 +400,30 @@ class LGCCodec(Codec):
                     off_z += nl
                 used, eligible = self._ae_layers_used
                 self._ae_layers_used = (used + int(coded), eligible + 1)
-            self._shared[key] = (idx, s, z, coded)
+            self._shared[key] = (idx, s, z, coded, own_codes[i])
         self.last_timing["prepare_s"] = time.perf_counter() - t0
         return nbytes
 
-    def _code_is_good(self, v: Tensor, s: Tensor, z: Tensor | None, numel: int) -> Tensor:
-        """The run-time guard, on the leader: 1.0 when its own values ``v`` come back through the AE
-        with a relative error of at most ``max_recon_error``, else 0.0 (exact values this step).
+    def _within_gate(self, v: Tensor, rec: Tensor) -> Tensor:
+        """The run-time guard, on the leader: 1.0 when its own values ``v`` came back through the AE
+        as ``rec`` with a relative error of at most ``max_recon_error``, else 0.0 (exact values this
+        step).
 
         The gate at the switch measures held-out stage-2 values; afterwards the values change
         (training moves on, and with ``ae_error_feedback`` the AE's own error returns in them), and
         a code that drifts would send more noise than signal every step. A 0-d tensor: no sync."""
-        k = v.numel()
-        if self.variant == "rar":
-            rec = s * self.ae.decode(self.ae.encode((v / s).unsqueeze(0)), k)[0]
-        else:
-            u = torch.zeros_like(v)
-            pos = torch.topk(v.abs(), self.innovation_k(numel), sorted=False).indices
-            u[pos] = v[pos] / s
-            rec = s * self.ae.decode(z, k, u.unsqueeze(0))[0]
         error = (v - rec).norm() / v.norm().clamp_min(1e-30)
         return (error <= self.max_recon_error).to(torch.float32)
+
+    def _rar_code(self, v: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+        """RAR: this rank's latent ``E(v / s)`` and what it stands for, ``s D(E(v / s))``."""
+        z = self.ae.encode((v / s).unsqueeze(0))
+        return z, s * self.ae.decode(z, v.numel())[0]
 
     # ----------------------------------------------------------------------------------------------
     # encode / decode
     def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
-        idx, s, z_lead, coded = self._shared.pop(key)
+        idx, s, z_lead, coded, own_code = self._shared.pop(key)
         v = x[idx]
         local = torch.zeros_like(x)
         k = idx.numel()
@@ -428,21 +432,19 @@ class LGCCodec(Codec):
             return EncodeResult([v], local=local, ctx=(idx, s, None, step, key, False))
         with torch.no_grad():
             if self.variant == "rar":
-                z = self.ae.encode((v / s).unsqueeze(0))
-                # what this rank's code stands for: its own values through the AE. The summed code
-                # decodes to the aggregate, so this is the best per-rank account of what was sent.
+                # what this rank's code stands for: its own values through the AE (the leader
+                # computed it for the guard already). The summed code decodes to the aggregate, so
+                # this is the best per-rank account of what was sent.
+                z, rec = own_code if own_code is not None else self._rar_code(v, s)
                 sent = torch.zeros_like(x)
-                sent[idx] = s * self.ae.decode(z, k)[0]
+                sent[idx] = rec
                 if self.ae_error_feedback:
                     local = sent  # the residual keeps the AE's error on the support too
                 else:
                     local[idx] = v  # the residual keeps only what is off the support
                 return EncodeResult([z.reshape(-1)], local=local, ctx=(idx, s, None, step, key, True), sent=sent)
             # ps: send the innovation; what the server will reconstruct for this rank is known here
-            ki = self.innovation_k(x.numel())
-            pos = torch.topk(v.abs(), ki, sorted=False).indices
-            u = torch.zeros_like(v)
-            u[pos] = v[pos] / s
+            pos, u = self._innovation(v / s, x.numel())
             local[idx] = s * self.ae.decode(z_lead, k, u.unsqueeze(0))[0]
             return EncodeResult([v[pos], pos.to(torch.int32)], local=local, ctx=(idx, s, z_lead, step, key, True))
 
@@ -572,10 +574,11 @@ class LGCCodec(Codec):
         s = v[torch.arange(len(batch), device=device), lead].pow(2).mean(-1).sqrt().clamp_min(1e-30)
         return v / s.view(-1, 1, 1), s
 
-    def _innovation(self, v: Tensor, numel: int) -> Tensor:
-        ki = self.innovation_k(numel)
-        pos = v.abs().topk(ki, dim=-1).indices
-        return torch.zeros_like(v).scatter_(-1, pos, v.gather(-1, pos))
+    def _innovation(self, v: Tensor, numel: int) -> tuple[Tensor, Tensor]:
+        """PS: the positions of the ``innovation_k`` largest of the (scaled) values ``v`` along the
+        last dimension, and the innovation channel (those values, zero elsewhere)."""
+        pos = v.abs().topk(self.innovation_k(numel), dim=-1).indices
+        return pos, torch.zeros_like(v).scatter_(-1, pos, v.gather(-1, pos))
 
     def _loss(self, v: Tensor, numel: int, rng: random.Random) -> Tensor:
         b, n, k = v.shape
@@ -586,7 +589,7 @@ class LGCCodec(Codec):
             return agg + 0.5 * node
         r = rng.randrange(n)  # SOFF's trick: one rank's latent must decode every rank's values
         zr = z[:, r : r + 1].expand(b, n, -1, -1).reshape(b * n, self.latent_channels, -1)
-        rec = F.mse_loss(self.ae.decode(zr, k, self._innovation(v, numel).reshape(b * n, k)), v.reshape(b * n, k))
+        rec = F.mse_loss(self.ae.decode(zr, k, self._innovation(v, numel)[1].reshape(b * n, k)), v.reshape(b * n, k))
         sim = (z.unsqueeze(1) - z.unsqueeze(2)).pow(2).mean() * n / max(n - 1, 1) if n > 1 else z.sum() * 0
         return 0.5 * rec + 0.5 * sim
 
@@ -603,7 +606,7 @@ class LGCCodec(Codec):
             else:
                 lead = torch.tensor([x[2] for x in batch], device=device)
                 zl = z[torch.arange(b, device=device), lead]
-                u = self._innovation(v, batch[0][3])
+                u = self._innovation(v, batch[0][3])[1]
                 vhat = self.ae.decode(zl.repeat_interleave(n, 0), k, u.reshape(b * n, k)).view(b, n, k).mean(1)
             e, r = out.get(batch[0][0], (0.0, 0.0))
             out[batch[0][0]] = (e + float((vhat - v.mean(1)).pow(2).sum()), r + float(v.mean(1).pow(2).sum()))

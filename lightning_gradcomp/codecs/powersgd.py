@@ -117,17 +117,14 @@ class PowerSGDCodec(Codec):
             total += compressed if ok else t.numel()
         return total
 
-    def communicate_bucket(self, state: Any, bucket: Any, layers: list, flag: Tensor | float, step: int) -> Any:
+    def communicate_bucket(self, state: Any, bucket: Any, layers: list, flag: Tensor, step: int) -> Any:
         assert self._torch_state is not None, "PowerSGDCodec.setup() was not called"
         group = state.process_group
         buf = bucket.buffer()
         world = dist.get_world_size(group)
         clock = clock_for(buf.device)
         t0 = clock.mark()
-        if isinstance(flag, Tensor):
-            flag_t = flag.to(device=buf.device, dtype=torch.float32).reshape(1).clone()
-        else:
-            flag_t = torch.full((1,), flag, dtype=torch.float32, device=buf.device)
+        flag_t = flag.to(device=buf.device, dtype=torch.float32).reshape(1).clone()
         dist.all_reduce(flag_t, group=group)
         # the bucket's one host sync: torch's hook must not even start on a non-finite bucket
         if float(flag_t) > 0:
