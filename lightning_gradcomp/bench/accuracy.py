@@ -1,9 +1,10 @@
 """``accuracy``: task metric against bytes sent, for a fixed training budget per codec and seed.
 
 Runs the project's recipes as they are (``recipes/resnet_cifar10.py`` on CIFAR-10,
-``recipes/pspnet_camvid.py`` on CamVid) as subprocesses, one per (task, codec, seed), each with
-``--codec NAME --devices 2 --accelerator cpu --seed S --max-steps N`` (or ``--max-epochs N``)
-``--metrics-json PATH --data-dir DIR --no-fallback``, and collects what each writes: the task
+``recipes/pspnet_camvid.py`` on CamVid) as subprocesses, one per (task, codec, seed), each on
+its YAML config with ``--trainer.strategy.codec NAME --trainer.devices 2 --seed_everything S
+--trainer.max_steps N`` (or ``--trainer.max_epochs N``) ``--report.metrics_json PATH
+--data.data_dir DIR --trainer.strategy.fallback false``, and collects what each writes: the task
 metric (top-1 accuracy, mean IoU), the total bytes the gradients sent, the compression ratio over
 the whole run and at its last step, and the validation history (metric at the step of every
 validation, the input of ``tta``). Nothing of the recipes is re-implemented here.
@@ -44,6 +45,7 @@ __all__ = [
     "extract_metrics",
     "fill_older_rows",
     "main",
+    "normalize_recipe_args",
     "recipe_option",
     "run_recipe",
     "summarize",
@@ -193,17 +195,47 @@ def _codec_options(args: argparse.Namespace, codec: str) -> dict[str, Any]:
     return all_options.get(codec, all_options.get(codec.split("@", 1)[0])) or {}
 
 
+#: recipe flags of the argparse recipes that came before the LightningCLI ones, and what they
+#: became; rows recorded with them keep matching the same configuration run today
+LEGACY_RECIPE_FLAGS = {
+    "--model": ["--model.model"],
+    "--batch-size": ["--data.batch_size"],
+    "--lr": ["--model.lr"],
+    "--weight-decay": ["--model.weight_decay"],
+    "--train-subset": ["--data.train_subset"],
+    "--val-subset": ["--data.val_subset"],
+    "--crop-size": ["--data.crop_size"],
+    "--encoder": ["--model.encoder"],
+    "--val-every-n-steps": ["--trainer.check_val_every_n_epoch", "null", "--trainer.val_check_interval"],
+}
+
+
+def normalize_recipe_args(recipe_args: str | None) -> str | None:
+    """``recipe_args`` in today's LightningCLI spelling (legacy argparse flags translated)."""
+    if not recipe_args:
+        return recipe_args
+    out: list[str] = []
+    for a in shlex.split(recipe_args):
+        flag, eq, value = a.partition("=")
+        new = LEGACY_RECIPE_FLAGS.get(flag)
+        if new is None:
+            out.append(a)
+        else:
+            out += new if not eq else [*new, value]
+    return shlex.join(out)
+
+
 def config_key(row: dict[str, Any]) -> tuple:
     """What makes two runs the same configuration: task, codec label, seed, budget, recipe
-    arguments, codec options and devices. A row made by an older version without these fields
-    matches none of today's runs."""
+    arguments (legacy flags read as today's), codec options and devices. A row made by an older
+    version without these fields matches none of today's runs."""
     return (
         row.get("task"),
         row.get("codec"),
         row.get("seed"),
         row.get("max_steps"),
         row.get("max_epochs"),
-        row.get("recipe_args"),
+        normalize_recipe_args(row.get("recipe_args")),
         json.dumps(row.get("codec_options"), sort_keys=True),
         row.get("devices"),
     )
@@ -224,30 +256,34 @@ def run_recipe(task: str, codec: str, seed: int, args: argparse.Namespace, out: 
     cmd = [
         args.python,
         str(script),
-        "--codec",
+        "--trainer.strategy.codec",
         codec.split("@", 1)[0],
-        "--devices",
+        "--trainer.devices",
         str(args.devices),
-        "--accelerator",
+        "--trainer.accelerator",
         "cpu",
-        "--seed",
+        "--seed_everything",
         str(seed),
     ]
     if max_steps is not None:
-        cmd += ["--max-steps", str(max_steps)]
-    if max_epochs is not None:
-        cmd += ["--max-epochs", str(max_epochs)]
+        # a step budget alone: as many epochs as it takes
+        cmd += ["--trainer.max_steps", str(max_steps), "--trainer.max_epochs", str(max_epochs or -1)]
+    elif max_epochs is not None:
+        cmd += ["--trainer.max_epochs", str(max_epochs)]
     cmd += [
-        "--metrics-json",
+        "--report.metrics_json",
         str(metrics),
-        "--data-dir",
+        "--data.data_dir",
         data_dir,
         # the accuracy of the codec itself: on this benchmark's fast local link the timing probe
         # would otherwise send plain all-reduce and every codec would train uncompressed
-        "--no-fallback",
+        "--trainer.strategy.fallback",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
     ]
     if options:
-        cmd += ["--codec-options", json.dumps(options)]
+        cmd += ["--trainer.strategy.codec_options", json.dumps(options)]
     cmd += recipe_args
     row: dict[str, Any] = {
         "task": task,
@@ -258,8 +294,8 @@ def run_recipe(task: str, codec: str, seed: int, args: argparse.Namespace, out: 
         "recipe_args": shlex.join(recipe_args),
         "codec_options": options,
         "devices": args.devices,
-        "model": recipe_option(recipe_args, "--model"),
-        "batch_size": _int_or_text(recipe_option(recipe_args, "--batch-size")),
+        "model": recipe_option(recipe_args, "--model.model"),
+        "batch_size": _int_or_text(recipe_option(recipe_args, "--data.batch_size")),
         "command": shlex.join(cmd),
     }
     if not script.exists():

@@ -12,9 +12,20 @@ _LAZY = {
     "ThetaDecay": "lightning_gradcomp.callbacks.theta_decay",
     "AccuracyDropRollback": "lightning_gradcomp.callbacks.rollback",
     "AutoencoderWarmup": "lightning_gradcomp.callbacks.ae_warmup",
+    "CompressionReport": "lightning_gradcomp.callbacks.report",
 }
 
-__all__ = ["CompressionMonitor", *_LAZY]
+#: codec name -> the callback that logs its schedule; ``CompressedDDPStrategy`` attaches it
+SCHEDULE_CALLBACKS = {"gradiveq": "PCAWarmup", "lgc": "AutoencoderWarmup"}
+
+__all__ = ["CompressionMonitor", "SCHEDULE_CALLBACKS", "schedule_callbacks", *_LAZY]
+
+
+def schedule_callbacks(codec: Any) -> list[Any]:
+    """The callbacks that log ``codec``'s schedule, new instances with default arguments (which
+    leave the codec's own settings as they are)."""
+    name = SCHEDULE_CALLBACKS.get(getattr(codec, "name", None))
+    return [] if name is None else [__getattr__(name)()]
 
 
 def __getattr__(name: str) -> Any:

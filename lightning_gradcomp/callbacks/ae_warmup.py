@@ -89,3 +89,28 @@ class AutoencoderWarmup(Callback):
             scalars["gradcomp/ae_layers"] = float(used)
             scalars["gradcomp/ae_layers_eligible"] = float(eligible)
         pl_module.log_dict(scalars, on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        codec, state = self._codec(trainer), getattr(trainer.strategy, "hook_state", None)
+        if codec is None or state is None or not trainer.is_global_zero:
+            return
+        print(self.summary(codec, state.step), flush=True)
+
+    @staticmethod
+    def summary(codec: Any, steps: int) -> str:
+        """One line: which stage the run reached and what the learned code carried."""
+        if steps == 0 or codec.stage(steps - 1) == 1:
+            return f"lgc: still in the dense warm-up after {steps} steps (warmup_steps ends at step {codec.warmup_end})"
+        if not codec.ae_trained:
+            return (f"lgc: shared-support top-k from step {codec.warmup_end}; the autoencoder is trained at step "
+                    f"{codec.ae_start_step}, after this run's {steps} steps")
+        used, eligible = codec.ae_layers_used
+        if eligible:
+            how = (f"it carried {used} of the {eligible} layer(s) that passed the gate at the last step "
+                   "(the run-time guard sends the others exactly)")
+        else:
+            how = (f"no layer passed the gate (held-out reconstruction error {codec.ae_recon_error:.2f} > "
+                   f"max_recon_error {codec.max_recon_error}), so the exact values of the shared support were sent")
+        return f"lgc: learned code from step {codec.ae_start_step}: {how}"
+
