@@ -76,7 +76,10 @@ class CompressionReport(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._started = time.perf_counter()
-        self._last_step = float(trainer.estimated_stepping_batches)
+        try:
+            self._last_step = float(trainer.estimated_stepping_batches)
+        except Exception:  # a data loader without a length and no max_steps: no known last step
+            self._last_step = float("inf")
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
