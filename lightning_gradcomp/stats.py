@@ -90,6 +90,17 @@ class StatsAccumulator:
                 else:
                     setattr(self._current, k, getattr(self._current, k) + v)
 
+    #: the running totals a checkpoint keeps, so that a resumed run's whole-run figures (bytes
+    #: sent, compression ratio) count the steps before the resume too
+    TOTALS_FIELDS = ("buckets", "raw_bytes", "payload_bytes", "wire_bytes", "raw_wire_bytes", "encode_s", "decode_s", "comm_s")
+
+    def totals_tensor(self) -> torch.Tensor:
+        return torch.tensor([float(getattr(self.totals, f)) for f in self.TOTALS_FIELDS], dtype=torch.float64)
+
+    def load_totals_tensor(self, values: torch.Tensor) -> None:
+        for f, v in zip(self.TOTALS_FIELDS, values.tolist()):
+            setattr(self.totals, f, type(getattr(self.totals, f))(v))
+
     def set_extra(self, **values: float) -> None:
         """Codec-specific scalars (a basis's explained variance, theta, an autoencoder's loss)."""
         with self._lock:

@@ -182,6 +182,7 @@ class CompressedDDPStrategy(DDPStrategy):
             state.momentum_buffers = previous.momentum_buffers
             state.residual_lr = previous.residual_lr
             state.nonfinite_steps = previous.nonfinite_steps
+            state.stats.totals = previous.stats.totals
         if self._pending_checkpoint is not None:
             self._apply_checkpoint(state, self._pending_checkpoint)
             self._pending_checkpoint = None
@@ -272,6 +273,7 @@ class CompressedDDPStrategy(DDPStrategy):
         local: dict[str, torch.Tensor] = {f"residual.{k}": v for k, v in state.memory.state_dict().items()}
         local.update({f"momentum.{k}": v for k, v in state.momentum_buffers.state_dict().items()})
         local.update({f"codec.{k}": v for k, v in self.codec.rank_state_dict().items()})
+        local["stats.totals"] = state.stats.totals_tensor()
         ranks = _gather_rank_states(local, self.root_device)
         return {
             "version": _CHECKPOINT_VERSION,
@@ -304,6 +306,8 @@ class CompressedDDPStrategy(DDPStrategy):
         momentum = {k[len("momentum.") :]: v for k, v in mine.items() if k.startswith("momentum.")}
         state.momentum_buffers.load_state_dict(momentum, device=self.root_device)
         self.codec.load_rank_state_dict({k[len("codec.") :]: v for k, v in mine.items() if k.startswith("codec.")})
+        if "stats.totals" in mine:  # absent from checkpoints written before the totals were kept
+            state.stats.load_totals_tensor(mine["stats.totals"])
 
     @classmethod
     @override
