@@ -173,6 +173,9 @@ class CodecHookState:
             # step ran (it runs at the start of the next step): a resumed run must still run it
             "step_end_pending": self._step_end_pending,
             "residual_lr": dict(self.residual_lr),
+            # schedules given as a fraction of the run keep the step boundaries of the run that
+            # started them: a resume with a longer budget must not move lgc back into its warm-up
+            "run_total_steps": self.codec.run_total_steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -182,6 +185,8 @@ class CodecHookState:
         self.fallback.load_state_dict(state.get("fallback", {}))
         self._step_end_pending = bool(state.get("step_end_pending", False))
         self.residual_lr = {str(k): float(v) for k, v in state.get("residual_lr", {}).items()}
+        if state.get("run_total_steps") is not None:
+            self.codec.fit_to_run(int(state["run_total_steps"]))
 
     def consume_skip(self) -> bool:
         """True once after a step whose gradient was non-finite on some rank."""

@@ -32,6 +32,20 @@ def test_lgc_and_gradiveq_fit_their_warm_ups_to_the_run():
     assert gradiveq.warmup_end == 50 and gradiveq.phase_at(49) == "warmup" and gradiveq.phase_at(50) == "compress"
 
 
+def test_a_resumed_run_keeps_the_schedule_of_the_run_that_started_it():
+    """Resumed with a longer budget, lgc stays past its warm-up: the saved run length wins."""
+    from lightning_gradcomp.hook import CodecHookState
+
+    first = make_codec("lgc")
+    first.fit_to_run(100)  # dense until step 5, autoencoder trained at step 15
+    saved = CodecHookState(first).state_dict()
+    resumed = make_codec("lgc")
+    resumed.fit_to_run(10_000)  # the strategy's estimate for the new budget: dense until 200
+    assert resumed.warmup_end == 200
+    CodecHookState(resumed).load_state_dict(saved)
+    assert (resumed.warmup_end, resumed.ae_start_step) == (first.warmup_end, first.ae_start_step) == (5, 15)
+
+
 def test_density_warmup_shrinks_the_kept_fraction_exponentially():
     warm = DensityWarmup(steps=4, start=0.25)
     fractions = [warm.fraction(0.01, step, first_step=2, total_steps=None) for step in range(2, 8)]
