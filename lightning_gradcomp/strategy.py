@@ -145,6 +145,13 @@ class CompressedDDPStrategy(DDPStrategy):
             )
         for opt in self.optimizers:
             for group in opt.param_groups:
+                if "betas" in group:  # Adam and its kin keep moving averages of their own
+                    raise ValueError(
+                        f"the codec applies momentum correction (momentum={codec.momentum}), which is SGD momentum "
+                        f"moved into the codec; {type(opt).__name__} keeps its own moment estimates (betas="
+                        f"{group['betas']}) and would apply momentum twice. Use torch.optim.SGD(params, lr, "
+                        "momentum=0), or momentum=0 in the codec."
+                    )
                 if group.get("momentum", 0) or (codec.weight_decay and group.get("weight_decay", 0)):
                     raise ValueError(
                         f"the codec applies momentum correction (momentum={codec.momentum}"

@@ -84,6 +84,9 @@ def test_strategy_refuses_an_optimizer_that_adds_momentum_again():
     strategy.optimizers = [torch.optim.SGD(params, lr=0.1, weight_decay=5e-4)]
     with pytest.raises(ValueError, match="weight_decay=0"):
         strategy._check_optimizer_momentum()
+    strategy.optimizers = [torch.optim.AdamW(params, lr=0.1, weight_decay=0.0)]  # momentum of its own
+    with pytest.raises(ValueError, match=r"AdamW keeps its own moment estimates \(betas=\(0.9, 0.999\)\)"):
+        strategy._check_optimizer_momentum()
     strategy.optimizers = [torch.optim.SGD(params, lr=0.1)]
     strategy._check_optimizer_momentum()
 
