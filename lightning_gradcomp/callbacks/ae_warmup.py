@@ -109,8 +109,11 @@ class AutoencoderWarmup(Callback):
         if eligible:
             how = (f"it carried {used} of the {eligible} layer(s) that passed the gate at the last step "
                    "(the run-time guard sends the others exactly)")
-        else:
+        elif math.isfinite(codec.ae_recon_error):
             how = (f"no layer passed the gate (held-out reconstruction error {codec.ae_recon_error:.2f} > "
                    f"max_recon_error {codec.max_recon_error}), so the exact values of the shared support were sent")
+        else:
+            how = ("no layer passed the gate (too few stage-2 samples to measure the autoencoder's error), so the "
+                   "exact values of the shared support were sent")
         return f"lgc: learned code from step {codec.ae_start_step}: {how}"
 

@@ -58,6 +58,7 @@ class CompressionReport(Callback):
         self.history: list[dict[str, Any]] = []
         self._started: float | None = None
         self._last_step = float("inf")
+        self._check_val_every_n_epoch: int | None = None  # the trainer's, while lifted at the last step
 
     @property
     def state_key(self) -> str:
@@ -85,6 +86,11 @@ class CompressionReport(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.validate_last_step and trainer.global_step >= self._last_step:
             trainer.should_stop = True  # Lightning then validates after this batch
+            every = trainer.check_val_every_n_epoch
+            if every is not None and (trainer.current_epoch + 1) % every:
+                # an epoch that would not validate: lift the epoch rule for this last batch
+                self._check_val_every_n_epoch = every
+                trainer.check_val_every_n_epoch = None
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -98,6 +104,8 @@ class CompressionReport(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._check_val_every_n_epoch is not None:
+            trainer.check_val_every_n_epoch, self._check_val_every_n_epoch = self._check_val_every_n_epoch, None
         wall_s = time.perf_counter() - self._started if self._started is not None else 0.0
         result = self.result(trainer, pl_module, wall_s)
         if self.monitor is not None and self.monitor in result["metrics"]:
