@@ -207,7 +207,7 @@ class CamVidDataModule(L.LightningDataModule):
         crop_size: square training crop, a multiple of 8 (PSPNet's stride).
         scale: random rescale range before cropping.
         batch_size: per process (validation: 2 whole images per process).
-        num_workers: data loader workers (default 0 on CPU, 4 otherwise).
+        num_workers: data loader workers per process (0: load in the training process; 4 or so on a GPU).
     """
 
     def __init__(
@@ -216,7 +216,7 @@ class CamVidDataModule(L.LightningDataModule):
         crop_size: int = 256,
         scale: tuple[float, float] = (0.75, 1.25),
         batch_size: int = 4,
-        num_workers: int | None = None,
+        num_workers: int = 0,
     ) -> None:
         super().__init__()
         if crop_size <= 0 or crop_size % 8:
@@ -228,18 +228,13 @@ class CamVidDataModule(L.LightningDataModule):
         self.train = CamVid(self.root, "train", crop=self.hparams.crop_size, scale=tuple(self.hparams.scale))
         self.val = CamVid(self.root, "val")
 
-    def _workers(self) -> int:
-        if self.hparams.num_workers is not None:
-            return self.hparams.num_workers
-        return 0 if self.trainer is None or self.trainer.accelerator.__class__.__name__ == "CPUAccelerator" else 4
-
     def train_dataloader(self) -> DataLoader:
-        workers = self._workers()
+        workers = self.hparams.num_workers
         return DataLoader(self.train, self.hparams.batch_size, shuffle=True, drop_last=True, num_workers=workers,
                           persistent_workers=workers > 0)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val, batch_size=2, num_workers=self._workers())
+        return DataLoader(self.val, batch_size=2, num_workers=self.hparams.num_workers)
 
 
 class PSPNetSegmenter(L.LightningModule):

@@ -169,7 +169,7 @@ class CIFAR10DataModule(L.LightningDataModule):
         batch_size: per process.
         train_subset: train on this many random images (default: all 50,000).
         val_subset: evaluate on this many random test images (default: all 10,000).
-        num_workers: data loader workers (default 0 on CPU, 4 otherwise).
+        num_workers: data loader workers per process (0: load in the training process; 4 or so on a GPU).
         seed: draws the subsets (the CLI links it to ``seed_everything``; the test subset uses seed + 1).
     """
 
@@ -180,7 +180,7 @@ class CIFAR10DataModule(L.LightningDataModule):
         batch_size: int = 64,
         train_subset: int | None = None,
         val_subset: int | None = None,
-        num_workers: int | None = None,
+        num_workers: int = 0,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -198,18 +198,13 @@ class CIFAR10DataModule(L.LightningDataModule):
         self.train = subset(train, self.hparams.train_subset, self.hparams.seed)
         self.test = subset(test, self.hparams.val_subset, self.hparams.seed + 1)
 
-    def _workers(self) -> int:
-        if self.hparams.num_workers is not None:
-            return self.hparams.num_workers
-        return 0 if self.trainer is None or self.trainer.accelerator.__class__.__name__ == "CPUAccelerator" else 4
-
     def train_dataloader(self) -> DataLoader:
-        workers = self._workers()
+        workers = self.hparams.num_workers
         return DataLoader(self.train, self.hparams.batch_size, shuffle=True, drop_last=True, num_workers=workers,
                           persistent_workers=workers > 0)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.test, 256, num_workers=self._workers())
+        return DataLoader(self.test, 256, num_workers=self.hparams.num_workers)
 
 
 class CIFAR10Classifier(L.LightningModule):
