@@ -85,6 +85,8 @@ SUMMARY_COLUMNS = [
     Column("metric_name", "metric"),
     Column("metric_mean", "mean", "{:.4f}"),
     Column("metric_spread", "max-min", "{:.4f}"),
+    Column("vs_none_mean", "vs none", "{:+.4f}"),
+    Column("vs_none_spread", "vs none max-min", "{:.4f}"),
     Column("steps", "steps", "{:.0f}"),
     Column("compression_ratio_last", "ratio last", "{:.1f}"),
     Column("compression_ratio", "ratio run", "{:.1f}"),
@@ -347,18 +349,33 @@ def _mean(values: list[Any]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _pairing_key(row: dict[str, Any]) -> tuple:
+    """What a run shares with the ``none`` run it is compared with: all of :func:`config_key` but
+    the codec label and its options."""
+    key = config_key(row)
+    return key[:1] + key[2:6] + key[7:]
+
+
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One line per (task, codec, configuration but the seed), in the order rows first show it, over
-    its runs with status ok: the metric's mean, min, max and spread (max - min) across seeds, and
-    the mean steps, bytes and compression ratios (whole run and last step)."""
+    its runs with status ok: the metric's mean, min, max and spread (max - min) across seeds; the
+    difference to ``none`` on the same seed (and configuration), its mean over the seeds that have
+    a ``none`` run and its spread; and the mean steps, bytes and compression ratios (whole run and
+    last step)."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         key = config_key(r)
         groups.setdefault(key[:2] + key[3:], []).append(r)
+    # plain all-reduce on the same task, seed, budget and recipe arguments: the paired reference
+    # (seeds differ in initialisation, data order and, where a subset is drawn, the test images,
+    # which moves every codec together; the difference per seed is what the codec did)
+    none_metric = {_pairing_key(r): r["metric"] for r in rows
+                   if r.get("codec") == "none" and r.get("status", "ok") == "ok" and r.get("metric") is not None}
     out = []
     for rs in groups.values():
         ok = [r for r in rs if r.get("status", "ok") == "ok" and r.get("metric") is not None]
         values = [r["metric"] for r in ok]
+        deltas = [r["metric"] - none_metric[_pairing_key(r)] for r in ok if _pairing_key(r) in none_metric]
         out.append(
             {
                 "task": rs[0].get("task"),
@@ -374,6 +391,9 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "metric_min": min(values) if values else None,
                 "metric_max": max(values) if values else None,
                 "metric_spread": max(values) - min(values) if values else None,
+                "vs_none_mean": _mean(deltas),
+                "vs_none_spread": max(deltas) - min(deltas) if deltas else None,
+                "vs_none_seeds": len(deltas),
                 "steps": _mean([r.get("steps") for r in ok]),
                 "compression_ratio_last": _mean([r.get("compression_ratio_last") for r in ok]),
                 "compression_ratio": _mean([r.get("compression_ratio") for r in ok]),
