@@ -187,7 +187,6 @@ def plot_accuracy_vs_time(
         return []
     step_s = {r["codec"]: r["step_s"] for r in result["rows"] if r.get("step_s")}
     dense = {r["codec"]: r.get("dense_steps") or 0.0 for r in result["rows"]}
-
     curves = {c: pts for c, pts in result["curves"].items() if pts and c in step_s}
     if not curves:
         return []

@@ -116,4 +116,3 @@ class AutoencoderWarmup(Callback):
             how = ("no layer passed the gate (too few stage-2 samples to measure the autoencoder's error), so the "
                    "exact values of the shared support were sent")
         return f"lgc: learned code from step {codec.ae_start_step}: {how}"
-

@@ -47,7 +47,7 @@ class CompressionMonitor(Callback):
         scalars = {f"gradcomp/{k}": v for k, v in step.as_scalars().items()}
         totals = state.stats.totals
         if totals.wire_bytes > 0:
-            scalars["gradcomp/compression_ratio_run"] = totals.raw_wire_bytes / totals.wire_bytes
+            scalars["gradcomp/compression_ratio_run"] = totals.compression_ratio
         scalars["gradcomp/nonfinite_steps"] = float(state.nonfinite_steps)
         pl_module.log_dict(scalars, on_step=True, on_epoch=False, batch_size=1)
         if self.prog_bar:

@@ -139,8 +139,6 @@ class CompressionReport(Callback):
         state = getattr(strategy, "hook_state", None)
         totals = state.stats.totals if state is not None else None
         last = state.stats.last if state is not None else None
-        sent = float(totals.wire_bytes) if totals else 0.0
-        raw = float(totals.raw_wire_bytes) if totals else 0.0  # what plain fp32 all-reduce would have sent
         hparams = {**_module_hparams(trainer.datamodule), **_module_hparams(pl_module)}
         seed = os.environ.get("PL_GLOBAL_SEED")
         result: dict[str, Any] = {
@@ -150,9 +148,9 @@ class CompressionReport(Callback):
             "world_size": trainer.world_size,
             "steps": trainer.global_step,
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "test/"))},
-            "bytes_sent": sent,
-            "raw_bytes": raw,
-            "compression_ratio": raw / sent if sent > 0 else 1.0,
+            "bytes_sent": float(totals.wire_bytes) if totals else 0.0,
+            "raw_bytes": float(totals.raw_wire_bytes) if totals else 0.0,  # what plain fp32 all-reduce would have sent
+            "compression_ratio": totals.compression_ratio if totals else 1.0,
             "compression_ratio_last": last.compression_ratio if last is not None else 1.0,
             "fallback_buckets": len(state.fallback.fallback) if state is not None else 0,
             "wall_s": wall_s,
