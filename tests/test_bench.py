@@ -558,7 +558,41 @@ def test_append_merges_runs_and_replaces_a_repeated_one(tmp_path, monkeypatch):
         (4, "100mbit", "none", 4.0),
         (4, "100mbit", "topk", 4.0),
     ]
-    assert data["meta"]["argv"].count("+") == 2 and len(data["runs"]) == 3
+    assert data["meta"]["argv"].count("+") == 2 and len(data["runs"]) == 4
+
+    # one codec added to a rate measured before: the other codecs' rows stay, and the new row is
+    # compared with the floor already there
+    assert (
+        bench_main(
+            ["link", "--codecs", "topk", "--no-floor", "--hosts", "2", "--rates", "1gbit", "--append", "--out", out]
+        )
+        == 0
+    )
+    assert calls[4] == (2, "1gbit", ["topk"])
+    data = json.loads((tmp_path / "l" / "link.json").read_text())
+    at_1gbit = {r["codec"]: r for r in data["rows"] if (r["hosts"], r["rate"]) == (2, "1gbit")}
+    assert sorted(at_1gbit) == ["floor", "none", "topk"]
+    assert at_1gbit["none"]["step_s"] == 5.0 and at_1gbit["topk"]["step_s"] == 6.0
+    assert at_1gbit["topk"]["x_floor"] == pytest.approx(6.0 / 5.0)
+    assert len([r for r in data["rows"] if r["rate"] == "10mbit"]) == 2
+
+
+def test_link_worker_switches_to_the_measured_rate_even_when_it_starts_there(monkeypatch):
+    """`bench link` builds the link at the warm-up rate: the worker's first switch to the
+    measured rate must reach `tc`, also when the first codec keeps that rate from its first step
+    (the fallback on), and a switch to the rate already set must not."""
+    from lightning_gradcomp.bench import worker
+
+    issued = []
+    monkeypatch.setattr(worker.subprocess, "run", lambda cmd, **kw: issued.append(cmd))
+    monkeypatch.setattr(worker.torch.distributed, "barrier", lambda: None)
+    link_ = worker._Link("veth0", "100mbit", "1gbit")
+    link_.set("100mbit")
+    assert len(issued) == 1 and "100mbit" in " ".join(issued[0])
+    link_.set("100mbit")
+    assert len(issued) == 1
+    link_.set("1gbit")
+    assert len(issued) == 2 and "1gbit" in " ".join(issued[1])
 
 
 @needs_netns

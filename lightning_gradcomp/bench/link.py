@@ -101,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--append",
         action="store_true",
-        help="keep the results already in OUT/link.json (a run of the same hosts and rate replaces them)",
+        help="keep the results already in OUT/link.json (a codec measured again at the same hosts and rate replaces its row)",
     )
     p.add_argument("--out", default="bench_results/link", help="output directory")
 
@@ -320,6 +320,7 @@ def main(args: argparse.Namespace) -> int:
     old = {s: signal.signal(s, _raise_exit) for s in (signal.SIGTERM, signal.SIGHUP)}
     configs: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []
+    errors: list[str | None] = []  # this invocation's runs only
     previous = out / "link.json"
     if args.append and previous.exists():
         old_data = json.loads(previous.read_text())
@@ -333,9 +334,9 @@ def main(args: argparse.Namespace) -> int:
                 cfg = run_config(args, codecs, h, rate, out / "runs" / name)
                 if cfg["error"]:
                     print(f"link: {name}: {cfg['error']}", file=sys.stderr)
-                key = (h, cfg["rate"], args.model)
-                configs = [c for c in configs if _key(c, args.model) != key] + [{**cfg, "model": args.model}]
-                rows = [r for r in rows if _key(r, args.model) != key] + rows_of(cfg, args.model)
+                configs.append({**cfg, "model": args.model})
+                rows = merge_rows(rows, rows_of(cfg, args.model), args.model)
+                errors.append(cfg["error"])
                 write_results(out, rows, configs, args)
     finally:
         _teardown_all()
@@ -343,11 +344,28 @@ def main(args: argparse.Namespace) -> int:
             signal.signal(s, h)
     print(format_table(rows, COLUMNS))
     print(f"\nwrote {out / 'link.json'} and {out / 'link.csv'}")
-    return 1 if any(c["error"] for c in configs) else 0
+    return 1 if any(errors) else 0
 
 
 def _key(d: dict[str, Any], model: str) -> tuple[int, str, str]:
     return d["hosts"], d["rate"], d.get("model", model)
+
+
+def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]], model: str) -> list[dict[str, Any]]:
+    """``old`` with ``new`` in place of the rows of the same hosts, rate, model and codec.
+
+    A codec measured again replaces its own row only, so ``--append`` can add one codec to a rate
+    measured before. A new row without a floor of its own (``--no-floor``) takes its ``x_floor``
+    from the floor already there for the same hosts, rate and model.
+    """
+    replaced = {(*_key(r, model), r["codec"]) for r in new}
+    rows = [r for r in old if (*_key(r, model), r["codec"]) not in replaced] + new
+    floors = {_key(r, model): r.get("step_s") for r in rows if r["codec"] == FLOOR and r.get("step_s")}
+    for r in new:
+        floor = floors.get(_key(r, model))
+        if r["codec"] != FLOOR and floor and r.get("step_s") and "x_floor" not in r:
+            r["x_floor"] = r["step_s"] / floor
+    return rows
 
 
 def write_results(

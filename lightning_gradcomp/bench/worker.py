@@ -102,7 +102,9 @@ class _Link:
 
     def __init__(self, iface: str | None, rate: str | None, warmup_rate: str | None) -> None:
         self.iface, self.rate, self.warmup_rate = iface, rate, warmup_rate
-        self.current = rate
+        # the link is built at the warm-up rate when there is one (`bench link` does so): starting
+        # from `rate` would make the first switch to `rate` a no-op and measure at the fast rate
+        self.current = warmup_rate or rate
 
     def set(self, rate: str | None) -> None:
         if not (self.iface and rate and self.warmup_rate) or rate == self.current:
