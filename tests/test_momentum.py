@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -102,3 +104,24 @@ def test_strategy_refuses_momentum_correction_with_a_loss_scaler():
         strategy._check_optimizer_momentum()
     strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
     strategy._check_optimizer_momentum()
+
+
+def test_strategy_warns_when_a_sparse_codec_meets_an_adaptive_optimizer():
+    params = [nn.Parameter(torch.zeros(3))]
+    for codec in ("topk", "iwp", "lgc"):
+        strategy = CompressedDDPStrategy(codec=codec)
+        strategy.optimizers = [torch.optim.AdamW(params, lr=0.1)]
+        with pytest.warns(UserWarning, match=rf"codec '{codec}' sends a sparse part .* with AdamW"):
+            strategy._warn_sparse_codec_with_adaptive_optimizer()
+    quiet = [
+        ("topk", {}, torch.optim.SGD(params, lr=0.1, momentum=0.9)),  # SGD: what the codecs were measured with
+        ("topk", {"error_feedback": False}, torch.optim.AdamW(params, lr=0.1)),  # nothing delayed
+        ("powersgd", {}, torch.optim.AdamW(params, lr=0.1)),  # a dense (low-rank) update
+        ("fft", {}, torch.optim.Adam(params, lr=0.1)),
+    ]
+    for codec, options, opt in quiet:
+        strategy = CompressedDDPStrategy(codec=codec, codec_options=options)
+        strategy.optimizers = [opt]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            strategy._warn_sparse_codec_with_adaptive_optimizer()
