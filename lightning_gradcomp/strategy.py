@@ -40,6 +40,11 @@ def resolve_codec(codec: str | Codec, codec_options: dict[str, Any] | None = Non
     raise TypeError(f"codec must be a registered name or a Codec, got {type(codec).__name__}")
 
 
+def _is_adaptive(param_group: dict[str, Any]) -> bool:
+    """Adam and its kin: per-coordinate step sizes from moving averages of their own (``betas``)."""
+    return "betas" in param_group
+
+
 class CompressedDDPStrategy(DDPStrategy):
     """Distributed data parallel training with compressed gradient communication.
 
@@ -144,7 +149,7 @@ class CompressedDDPStrategy(DDPStrategy):
         codec = self.codec
         if not (codec.sparse_local and codec.error_feedback):
             return
-        adaptive = sorted({type(opt).__name__ for opt in self.optimizers for g in opt.param_groups if "betas" in g})
+        adaptive = sorted({type(opt).__name__ for opt in self.optimizers for g in opt.param_groups if _is_adaptive(g)})
         if adaptive:
             rank_zero_warn(
                 f"codec {codec.name!r} sends a sparse part of each layer and delays the rest (error feedback); "
@@ -168,7 +173,7 @@ class CompressedDDPStrategy(DDPStrategy):
             )
         for opt in self.optimizers:
             for group in opt.param_groups:
-                if "betas" in group:  # Adam and its kin keep moving averages of their own
+                if _is_adaptive(group):
                     raise ValueError(
                         f"the codec applies momentum correction (momentum={codec.momentum}), which is SGD momentum "
                         f"moved into the codec; {type(opt).__name__} keeps its own moment estimates (betas="
