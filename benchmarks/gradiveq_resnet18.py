@@ -93,7 +93,10 @@ def evaluate(grads_fit, grads_eval, world: int = 2, **opts) -> dict[str, float]:
         codec.prepare_bucket(comp, step)
         encs = [codec.encode(v, k, p, step) for k, v, p in comp]
         # with `world` identical ranks the sum is world x each payload; decode and divide as the hook does
-        outs = [codec.decode([t * world for t in e.payload], e.ctx, v.numel(), world).div_(world) for e, (k, v, p) in zip(encs, comp)]
+        outs = [
+            codec.decode([t * world for t in e.payload], e.ctx, v.numel(), world).div_(world)
+            for e, (k, v, p) in zip(encs, comp)
+        ]
         ms += (time.perf_counter() - t0) * 1e3
         for out, (k, v, p) in zip(outs, comp):
             err += float((out - v).double().pow(2).sum())
@@ -143,12 +146,19 @@ def main() -> None:
         dict(slice_dim=128, num_components=4, quant_levels=7),
     ]
     print(f"raw fp32 gradient: {4 * sum(v.numel() for v in grads[0].values()) / 1e6:.1f} MB")
-    print("| setting | MB/step (2 ranks) | ratio | rel. error | k | EV (fit sample) | enc+dec ms | est. step @100 Mbit/s (s) |")
+    print(
+        "| setting | MB/step (2 ranks) | ratio | rel. error | k | EV (fit sample) | enc+dec ms "
+        "| est. step @100 Mbit/s (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for opts in settings:
         r = evaluate(fit, ev, **opts)
         name = ", ".join(f"{k}={v}" for k, v in opts.items()) or "defaults (d=64, k=4, s=7)"
-        print(f"| {name} | {r['MB']:.3f} | {r['ratio']:.1f} | {r['rel_err']:.3f} | {r['k']:.1f} | {r['ev']:.3f} | {r['enc_dec_ms']:.0f} | {r['t_100mbit']:.2f} |", flush=True)
+        print(
+            f"| {name} | {r['MB']:.3f} | {r['ratio']:.1f} | {r['rel_err']:.3f} | {r['k']:.1f} | {r['ev']:.3f} "
+            f"| {r['enc_dec_ms']:.0f} | {r['t_100mbit']:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

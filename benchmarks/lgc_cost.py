@@ -50,11 +50,20 @@ def main() -> None:
     if args.cifar:
         import torchvision.transforms as T
 
-        tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),
-                        T.Normalize((0.49, 0.48, 0.45), (0.25, 0.24, 0.26))])
+        tf = T.Compose(
+            [
+                T.RandomCrop(32, padding=4),
+                T.RandomHorizontalFlip(),
+                T.ToTensor(),
+                T.Normalize((0.49, 0.48, 0.45), (0.25, 0.24, 0.26)),
+            ]
+        )
         data = torchvision.datasets.ImageFolder(f"{args.cifar}/train", transform=tf)
-        loader = iter(torch.utils.data.DataLoader(data, batch_size=32, shuffle=True, num_workers=0,
-                                                  generator=torch.Generator().manual_seed(0)))
+        loader = iter(
+            torch.utils.data.DataLoader(
+                data, batch_size=32, shuffle=True, num_workers=0, generator=torch.Generator().manual_seed(0)
+            )
+        )
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
 
         def real_step() -> list[list[torch.Tensor]]:
@@ -90,8 +99,10 @@ def main() -> None:
         keep = [(n, p) for n, p in params if codec.should_compress(n, p)]
         idx_keep = [i for i, (n, p) in enumerate(params) if codec.should_compress(n, p)]
         cost = codec.ae_cost()
-        print(f"\n== variant {variant}: {len(keep)} of {len(params)} tensors compressed, "
-              f"AE {int(cost['ae_params'])} parameters ({cost['ae_param_bytes'] / 1024:.1f} KiB)")
+        print(
+            f"\n== variant {variant}: {len(keep)} of {len(params)} tensors compressed, "
+            f"AE {int(cost['ae_params'])} parameters ({cost['ae_param_bytes'] / 1024:.1f} KiB)"
+        )
 
         def one_step(step: int, g2: list[list[torch.Tensor]]) -> dict[str, float]:
             codec.is_compressing(step)
@@ -109,14 +120,21 @@ def main() -> None:
                 else:
                     codec.aggregate([e.payload, e.payload], e.ctx, x.numel())
             t3 = time.perf_counter()
-            return {"select_ms": 1e3 * (t1 - t0), "encode_ms": 1e3 * (t2 - t1), "decode_ms": 1e3 * (t3 - t2),
-                    "bcast_bytes": bcast, "payload_bytes": payload}
+            return {
+                "select_ms": 1e3 * (t1 - t0),
+                "encode_ms": 1e3 * (t2 - t1),
+                "decode_ms": 1e3 * (t3 - t2),
+                "bcast_bytes": bcast,
+                "payload_bytes": payload,
+            }
 
         def report(name: str, rows: list[dict[str, float]]) -> None:
             med = {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in rows[0]}
-            print(f"{name}: select {med['select_ms']:.1f} ms, encode {med['encode_ms']:.1f} ms, "
-                  f"decode {med['decode_ms']:.1f} ms; broadcast {med['bcast_bytes'] / 1024:.1f} KiB, "
-                  f"payload {med['payload_bytes'] / 1024:.1f} KiB (dense fp32: {4 * total / 1024:.0f} KiB)")
+            print(
+                f"{name}: select {med['select_ms']:.1f} ms, encode {med['encode_ms']:.1f} ms, "
+                f"decode {med['decode_ms']:.1f} ms; broadcast {med['bcast_bytes'] / 1024:.1f} KiB, "
+                f"payload {med['payload_bytes'] / 1024:.1f} KiB (dense fp32: {4 * total / 1024:.0f} KiB)"
+            )
 
         # stage 2: collect samples (the aggregate of two correlated ranks is recorded)
         rows = []
@@ -133,15 +151,24 @@ def main() -> None:
                 other = [g2[1][i][e.ctx[0]]]
                 # the leader alternates; rank r's values sit in row r
                 codec.aggregate([e.payload, other] if step % 2 == 0 else [other, e.payload], e.ctx, x.numel())
-            rows.append({"select_ms": 1e3 * (t1 - t0), "encode_ms": 1e3 * (t2 - t1),
-                         "decode_ms": 1e3 * (time.perf_counter() - t2), "bcast_bytes": 0, "payload_bytes": 0})
+            rows.append(
+                {
+                    "select_ms": 1e3 * (t1 - t0),
+                    "encode_ms": 1e3 * (t2 - t1),
+                    "decode_ms": 1e3 * (time.perf_counter() - t2),
+                    "bcast_bytes": 0,
+                    "payload_bytes": 0,
+                }
+            )
         report("stage 2 (top-k on shared support)", rows)
         t0 = time.perf_counter()
         codec.train_autoencoder()
-        print(f"AE training at the switch: {time.perf_counter() - t0:.1f} s "
-              f"({codec.ae_epochs} epochs over {args.samples} steps), loss {codec.ae_loss:.4f}, "
-              f"held-out relative error of the aggregate {codec.ae_recon_error:.3f}; "
-              f"{len(codec.ae_layers)} layers pass the gate (max_recon_error={codec.max_recon_error})")
+        print(
+            f"AE training at the switch: {time.perf_counter() - t0:.1f} s "
+            f"({codec.ae_epochs} epochs over {args.samples} steps), loss {codec.ae_loss:.4f}, "
+            f"held-out relative error of the aggregate {codec.ae_recon_error:.3f}; "
+            f"{len(codec.ae_layers)} layers pass the gate (max_recon_error={codec.max_recon_error})"
+        )
         g2 = grads(0)
         rows = [one_step(args.samples + s, g2) for s in range(args.repeat)]
         report("stage 3 (learned code)", rows)

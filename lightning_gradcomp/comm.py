@@ -19,7 +19,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_gather_flat", "Layout", "pack", "unpack", "allreduce_async", "allgather_async", "wire_bytes", "completed_future"]
+__all__ = [
+    "all_gather_flat",
+    "Layout",
+    "pack",
+    "unpack",
+    "allreduce_async",
+    "allgather_async",
+    "wire_bytes",
+    "completed_future",
+]
 
 _ALIGN = 8
 

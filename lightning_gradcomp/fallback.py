@@ -61,6 +61,7 @@ def default_enabled() -> bool:
     """What ``fallback=None`` means: on, unless the environment variable says ``0``/``off``."""
     return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "off", "false", "no")
 
+
 log = logging.getLogger(__name__)
 
 
@@ -228,13 +229,19 @@ class FallbackPolicy:
         if step_c > 0 and step_d > 0 and step_c >= self.clear_win * step_d:
             # not a clear win: time plain steps now, at the same point of training
             self._plain_probe = (keys, comp, step_c)
-            log.info("gradcomp fallback: compressed step %.1f ms vs plain %.1f ms: probing plain steps", 1e3 * step_c, 1e3 * step_d)
+            log.info(
+                "gradcomp fallback: compressed step %.1f ms vs plain %.1f ms: probing plain steps",
+                1e3 * step_c,
+                1e3 * step_d,
+            )
             return None
         # a clear win for the whole step: per-bucket costs, noisy where ranks share cores, must
         # not send a large bucket plainly over the slow link that made compression win
         return self._finish(keys, comp, dense, (step_c, step_d), whole_step_loses=False, per_bucket=False)
 
-    def _decide_after_plain_probe(self, process_group: dist.ProcessGroup | None, device: torch.device) -> list[str] | None:
+    def _decide_after_plain_probe(
+        self, process_group: dist.ProcessGroup | None, device: torch.device
+    ) -> list[str] | None:
         keys, comp, step_c = self._plain_probe
         steps_p = self.step_times["plain_probe"]
         if len(steps_p) < self.probe_steps or any(len(self._probe_dense.get(k, [])) < self.probe_steps for k in keys):
@@ -247,7 +254,9 @@ class FallbackPolicy:
         loses = (step_p - step_c) * 1e3 <= self.min_gain_ms
         return self._finish(keys, comp, costs[: len(keys)], (step_c, step_p), whole_step_loses=loses)
 
-    def _average(self, values: list[float], n_keys: int, process_group: dist.ProcessGroup | None, device: torch.device) -> list[float]:
+    def _average(
+        self, values: list[float], n_keys: int, process_group: dist.ProcessGroup | None, device: torch.device
+    ) -> list[float]:
         costs = torch.tensor(values + [float(n_keys)], dtype=torch.float64, device=device)
         if dist.is_initialized() and dist.get_world_size(process_group) > 1:
             dist.all_reduce(costs, group=process_group)
@@ -277,7 +286,9 @@ class FallbackPolicy:
         for k in keys:
             c, d = self.decisions[k]
             verdict = "plain all-reduce" if k in self.fallback else "compressed"
-            log.info("gradcomp fallback: bucket %s compressed %.1f ms vs plain %.1f ms -> %s", k, 1e3 * c, 1e3 * d, verdict)
+            log.info(
+                "gradcomp fallback: bucket %s compressed %.1f ms vs plain %.1f ms -> %s", k, 1e3 * c, 1e3 * d, verdict
+            )
         return sorted(self.fallback)
 
     def _loses(self, compressed: float, plain: float) -> bool:

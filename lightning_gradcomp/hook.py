@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gradcomp.codecs.base import Codec, CodecContext, EncodeResult
-from lightning_gradcomp.fallback import FallbackPolicy
 from lightning_gradcomp.comm import allgather_async, allreduce_async, pack, unpack, wire_bytes
+from lightning_gradcomp.fallback import FallbackPolicy
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.stats import StatsAccumulator
 from lightning_gradcomp.timing import Span, clock_for
@@ -485,4 +485,3 @@ def make_context(process_group: dist.ProcessGroup | None, device: torch.device) 
     if dist.is_available() and dist.is_initialized():
         return CodecContext(dist.get_rank(process_group), dist.get_world_size(process_group), device)
     return CodecContext(0, 1, device)
-

@@ -81,9 +81,6 @@ def make_codec(name: str, **options: Any) -> Codec:
         import inspect
 
         params = [
-            p
-            for c in (cls, Codec)
-            for p in inspect.signature(c.__init__).parameters
-            if p not in ("self", "kwargs")
+            p for c in (cls, Codec) for p in inspect.signature(c.__init__).parameters if p not in ("self", "kwargs")
         ]
         raise ValueError(f"invalid option for codec {name!r}: {err}. Valid options: {', '.join(params)}") from None

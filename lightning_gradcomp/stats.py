@@ -92,7 +92,16 @@ class StatsAccumulator:
 
     #: the running totals a checkpoint keeps, so that a resumed run's whole-run figures (bytes
     #: sent, compression ratio) count the steps before the resume too
-    TOTALS_FIELDS = ("buckets", "raw_bytes", "payload_bytes", "wire_bytes", "raw_wire_bytes", "encode_s", "decode_s", "comm_s")
+    TOTALS_FIELDS = (
+        "buckets",
+        "raw_bytes",
+        "payload_bytes",
+        "wire_bytes",
+        "raw_wire_bytes",
+        "encode_s",
+        "decode_s",
+        "comm_s",
+    )
 
     def totals_tensor(self) -> torch.Tensor:
         return torch.tensor([float(getattr(self.totals, f)) for f in self.TOTALS_FIELDS], dtype=torch.float64)

@@ -7,6 +7,7 @@ import logging
 from datetime import timedelta
 from typing import Any, Callable
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -15,10 +16,15 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_gradcomp.codecs.base import Codec
 from lightning_gradcomp.comm import all_gather_flat, pack, unpack
-from lightning_gradcomp.hook import NONFINITE_POLICIES, CodecHookState, check_codec_consistency, codec_hook, make_context
+from lightning_gradcomp.hook import (
+    NONFINITE_POLICIES,
+    CodecHookState,
+    check_codec_consistency,
+    codec_hook,
+    make_context,
+)
 from lightning_gradcomp.registry import make_codec
 
 __all__ = ["CompressedDDPStrategy", "resolve_codec"]

@@ -78,7 +78,9 @@ class DigitsMLP(L.LightningModule):
     def __init__(self, hidden: int = 256, lr: float = 5e-3) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+        self.net = nn.Sequential(
+            nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)
+        )
         self.val_acc = MulticlassAccuracy(10, average="micro")
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

@@ -98,7 +98,9 @@ class CamVid(Dataset):
     probability 1/2. Evaluation samples are whole images, padded with void to a multiple of 8.
     """
 
-    def __init__(self, root: Path, split: str, crop: int | None = None, scale: tuple[float, float] = (1.0, 1.0)) -> None:
+    def __init__(
+        self, root: Path, split: str, crop: int | None = None, scale: tuple[float, float] = (1.0, 1.0)
+    ) -> None:
         from PIL import Image  # noqa: F401  (fail early if Pillow is missing)
 
         self.images = sorted((root / split).glob("*.png"))
@@ -230,8 +232,14 @@ class CamVidDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         workers = self.hparams.num_workers
-        return DataLoader(self.train, self.hparams.batch_size, shuffle=True, drop_last=True, num_workers=workers,
-                          persistent_workers=workers > 0)
+        return DataLoader(
+            self.train,
+            self.hparams.batch_size,
+            shuffle=True,
+            drop_last=True,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val, batch_size=2, num_workers=self.hparams.num_workers)
@@ -248,8 +256,13 @@ class PSPNetSegmenter(L.LightningModule):
         weight_decay: AdamW weight decay.
     """
 
-    def __init__(self, encoder: str = "resnet18", encoder_weights: str | None = None, lr: float = 1e-3,
-                 weight_decay: float = 1e-4) -> None:
+    def __init__(
+        self,
+        encoder: str = "resnet18",
+        encoder_weights: str | None = None,
+        lr: float = 1e-3,
+        weight_decay: float = 1e-4,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = build_model(encoder, encoder_weights)
@@ -285,9 +298,14 @@ class PSPNetSegmenter(L.LightningModule):
     def on_fit_end(self) -> None:
         metrics = self.trainer.callback_metrics
         if self.trainer.is_global_zero and "val/miou" in metrics:
-            per_class = "  ".join(f"{c} {float(metrics[f'val/iou/{c}']):.3f}" for c in CLASSES if f"val/iou/{c}" in metrics)
-            print(f"mIoU {float(metrics['val/miou']):.4f}  pixel acc {float(metrics['val/pixel_acc']):.4f}\n"
-                  f"per-class IoU: {per_class}", flush=True)
+            per_class = "  ".join(
+                f"{c} {float(metrics[f'val/iou/{c}']):.3f}" for c in CLASSES if f"val/iou/{c}" in metrics
+            )
+            print(
+                f"mIoU {float(metrics['val/miou']):.4f}  pixel acc {float(metrics['val/pixel_acc']):.4f}\n"
+                f"per-class IoU: {per_class}",
+                flush=True,
+            )
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)

@@ -38,6 +38,7 @@ Logged to TensorBoard: ``train/loss``, ``train/acc``, ``val/loss``, ``val/acc`` 
 ``gradcomp/``, what the codec did each step; the run's configuration is saved beside the logs as
 ``config.yaml``.
 """
+
 from __future__ import annotations
 
 import math
@@ -74,7 +75,9 @@ unpack it into DIR) and pass --data.data_dir DIR."""
 # data
 def find_data(given: str | None) -> tuple[str, Path]:
     """``("tarball" | "folder" | "torchvision", path)``; exit 2 with a message when nothing fits."""
-    candidates = [Path(given)] if given else [REPO.parent / "shared" / "data" / "cifar10-jpeg.tar.gz", Path("data") / "cifar10"]
+    candidates = (
+        [Path(given)] if given else [REPO.parent / "shared" / "data" / "cifar10-jpeg.tar.gz", Path("data") / "cifar10"]
+    )
     for c in candidates:
         if c.is_dir() and (c / "cifar10-jpeg.tar.gz").is_file() and not (c / "train").is_dir():
             c = c / "cifar10-jpeg.tar.gz"  # a data directory that holds the tarball
@@ -124,8 +127,10 @@ def datasets(kind: str, root: Path) -> tuple[Dataset, Dataset]:
     train_tf = v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(), *normalize])
     test_tf = v2.Compose(normalize)
     if kind == "torchvision":
-        return (tvd.CIFAR10(root, train=True, transform=train_tf, download=False),
-                tvd.CIFAR10(root, train=False, transform=test_tf, download=False))
+        return (
+            tvd.CIFAR10(root, train=True, transform=train_tf, download=False),
+            tvd.CIFAR10(root, train=False, transform=test_tf, download=False),
+        )
     train, test = tvd.ImageFolder(root / "train", train_tf), tvd.ImageFolder(root / "test", test_tf)
     if train.classes != test.classes:
         raise SystemExit(f"train/ and test/ of {root} hold different class folders: {train.classes} vs {test.classes}")
@@ -147,7 +152,11 @@ def build_model(name: str, num_classes: int = 10) -> nn.Module:
     from torchvision.models import ResNet, resnet18
     from torchvision.models.resnet import BasicBlock
 
-    model = resnet18(num_classes=num_classes) if name == "resnet18" else ResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes)
+    model = (
+        resnet18(num_classes=num_classes)
+        if name == "resnet18"
+        else ResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes)
+    )
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
     return model
@@ -200,8 +209,14 @@ class CIFAR10DataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         workers = self.hparams.num_workers
-        return DataLoader(self.train, self.hparams.batch_size, shuffle=True, drop_last=True, num_workers=workers,
-                          persistent_workers=workers > 0)
+        return DataLoader(
+            self.train,
+            self.hparams.batch_size,
+            shuffle=True,
+            drop_last=True,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.test, 256, num_workers=self.hparams.num_workers)
@@ -221,7 +236,9 @@ class CIFAR10Classifier(L.LightningModule):
         weight_decay: L2 weight decay.
     """
 
-    def __init__(self, model: Literal["resnet18", "resnet10"] = "resnet18", lr: float = 0.1, weight_decay: float = 5e-4) -> None:
+    def __init__(
+        self, model: Literal["resnet18", "resnet10"] = "resnet18", lr: float = 0.1, weight_decay: float = 5e-4
+    ) -> None:
         super().__init__()
         if model not in ("resnet18", "resnet10"):
             raise ValueError(f"model must be 'resnet18' or 'resnet10', got {model!r}")
@@ -256,12 +273,20 @@ class CIFAR10Classifier(L.LightningModule):
             wd = 0.0 if codec.weight_decay else self.hparams.weight_decay
             opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, weight_decay=wd)
         else:
-            opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9, nesterov=True,
-                                  weight_decay=self.hparams.weight_decay)
+            opt = torch.optim.SGD(
+                self.parameters(),
+                lr=self.hparams.lr,
+                momentum=0.9,
+                nesterov=True,
+                weight_decay=self.hparams.weight_decay,
+            )
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = max(1, min(500, total // 20))
         cosine = lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total)))  # noqa: E731
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, cosine), "interval": "step"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, cosine), "interval": "step"},
+        }
 
 
 def main(args: list[str] | None = None) -> CompressedTrainingCLI:

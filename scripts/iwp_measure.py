@@ -114,21 +114,38 @@ def codec_main(keep_fraction: float, reps: int) -> None:
         t_dec += ms_d
         idx_bytes += code.numel()
         vals += k
-        rows.append({"layers": len(comp), "n": n, "k": k, "encoding": enc, "index_bytes": code.numel(),
-                     "select_ms": round(ms_sel, 1), "code_ms": round(ms_code, 1), "uncode_ms": round(ms_uncode, 1),
-                     "encode_ms": round(ms_e, 1), "decode_ms": round(ms_d, 1)})
+        rows.append(
+            {
+                "layers": len(comp),
+                "n": n,
+                "k": k,
+                "encoding": enc,
+                "index_bytes": code.numel(),
+                "select_ms": round(ms_sel, 1),
+                "code_ms": round(ms_code, 1),
+                "uncode_ms": round(ms_uncode, 1),
+                "encode_ms": round(ms_e, 1),
+                "decode_ms": round(ms_d, 1),
+            }
+        )
     print(json.dumps(rows, indent=1))
-    print(f"parameters {n_all:,}, compressed {n_all - dense:,}, dense {dense:,}; kept values {vals:,}; "
-          f"index bytes {idx_bytes:,} ({8 * idx_bytes / vals:.2f} bits a position)")
+    print(
+        f"parameters {n_all:,}, compressed {n_all - dense:,}, dense {dense:,}; kept values {vals:,}; "
+        f"index bytes {idx_bytes:,} ({8 * idx_bytes / vals:.2f} bits a position)"
+    )
     for world in (2, 4, 8, 64):
         raw = wire_bytes("allreduce", 4 * n_all, world)
         iwp = wire_bytes("allreduce", 4 * (vals + dense), world) + wire_bytes("broadcast", idx_bytes, world)
         topk = wire_bytes("allgather", 8 * vals + 4 * dense, world)  # small layers ride in its all-gather
-        print(f"N={world:>3}: iwp {iwp / 1e6:.3f} MB/rank (ratio {raw / iwp:.1f}x, values only "
-              f"{raw / wire_bytes('allreduce', 4 * (vals + dense), world):.1f}x); topk {topk / 1e6:.3f} MB "
-              f"(ratio {raw / topk:.1f}x); dense {raw / 1e6:.2f} MB")
-    print(f"per step, ms (median of {reps}, one thread): root selection + index code {t_root:.1f}; "
-          f"index decode on other ranks {t_other:.1f}; encode (all ranks) {t_enc:.1f}; decode {t_dec:.1f}")
+        print(
+            f"N={world:>3}: iwp {iwp / 1e6:.3f} MB/rank (ratio {raw / iwp:.1f}x, values only "
+            f"{raw / wire_bytes('allreduce', 4 * (vals + dense), world):.1f}x); topk {topk / 1e6:.3f} MB "
+            f"(ratio {raw / topk:.1f}x); dense {raw / 1e6:.2f} MB"
+        )
+    print(
+        f"per step, ms (median of {reps}, one thread): root selection + index code {t_root:.1f}; "
+        f"index decode on other ranks {t_other:.1f}; encode (all ranks) {t_enc:.1f}; decode {t_dec:.1f}"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -157,10 +174,17 @@ def _wire_worker(rank: int, world: int, port: int, outdir: str, codecs: list, ba
                 torch.nn.functional.cross_entropy(ddp(x), torch.randint(10, (batch,), generator=gen)).backward()
                 opt.step()
                 s = state.stats.pop()
-                per_step.append({"compressed": s.compressed, "payload_bytes": s.payload_bytes,
-                                 "wire_bytes": s.wire_bytes, "raw_wire_bytes": s.raw_wire_bytes,
-                                 "ratio": s.compression_ratio, "encode_ms": 1e3 * s.encode_s,
-                                 "decode_ms": 1e3 * s.decode_s})
+                per_step.append(
+                    {
+                        "compressed": s.compressed,
+                        "payload_bytes": s.payload_bytes,
+                        "wire_bytes": s.wire_bytes,
+                        "raw_wire_bytes": s.raw_wire_bytes,
+                        "ratio": s.compression_ratio,
+                        "encode_ms": 1e3 * s.encode_s,
+                        "decode_ms": 1e3 * s.decode_s,
+                    }
+                )
             result[name] = per_step
         with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
@@ -179,9 +203,11 @@ def wire_main(ranks: list[int], keep_fraction: float, batch: int, steps: int) ->
         for name, _ in codecs:
             last = res[0][name][-1]
             same = all(r[name][-1]["wire_bytes"] == last["wire_bytes"] for r in res)
-            print(f"N={world} {name:>4}: wire {last['wire_bytes'] / 1e6:.4f} MB/rank, payload "
-                  f"{last['payload_bytes'] / 1e6:.4f} MB, ratio {last['ratio']:.1f}x, equal on all ranks: {same}, "
-                  f"encode {last['encode_ms']:.0f} ms, decode {last['decode_ms']:.0f} ms (loaded machine)")
+            print(
+                f"N={world} {name:>4}: wire {last['wire_bytes'] / 1e6:.4f} MB/rank, payload "
+                f"{last['payload_bytes'] / 1e6:.4f} MB, ratio {last['ratio']:.1f}x, equal on all ranks: {same}, "
+                f"encode {last['encode_ms']:.0f} ms, decode {last['decode_ms']:.0f} ms (loaded machine)"
+            )
 
 
 if __name__ == "__main__":

@@ -92,7 +92,8 @@ def main() -> None:
         r = reports[rank]
         s, e = r["start"], r["end"]
         print(
-            f"rank {rank}: RSS {s['VmRSS']:.1f} -> {e['VmRSS']:.1f} MiB, peak RSS {s['VmHWM']:.1f} -> {e['VmHWM']:.1f} MiB, "
+            f"rank {rank}: RSS {s['VmRSS']:.1f} -> {e['VmRSS']:.1f} MiB, "
+            f"peak RSS {s['VmHWM']:.1f} -> {e['VmHWM']:.1f} MiB, "
             f"{r['seconds']:.1f} s, residual norm {r['residual_norm']:.3g}"
         )
 

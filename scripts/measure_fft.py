@@ -106,7 +106,12 @@ def main() -> None:
                     print(f"fft              {setting:<29} {m['ratio']:7.1f}  {m['rel_error']:9.4f}  {m['ms']:8.1f}")
     if args.no_baselines:
         return
-    for name, opts in (("topk", {"ratio": 0.01}), ("topk", {"ratio": 0.04}), ("rangefloat", {"bits": 8}), ("rangefloat", {"bits": 10})):
+    for name, opts in (
+        ("topk", {"ratio": 0.01}),
+        ("topk", {"ratio": 0.04}),
+        ("rangefloat", {"bits": 8}),
+        ("rangefloat", {"bits": 10}),
+    ):
         m = measure(grads, make_codec(name, **opts), args.repeats)
         setting = " ".join(f"{k}={v}" for k, v in opts.items())
         print(f"{name:<16} {setting:<29} {m['ratio']:7.1f}  {m['rel_error']:9.4f}  {m['ms']:8.1f}")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import os
 import queue as queue_mod
-import time
 import socket
+import time
 import traceback
 from typing import Any, Callable
 

@@ -255,7 +255,17 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-__all__ = ["Net", "Recorder", "lightning_worker", "short_options", "make_data", "flat_params", "all_finite", "same", "math"]
+__all__ = [
+    "Net",
+    "Recorder",
+    "lightning_worker",
+    "short_options",
+    "make_data",
+    "flat_params",
+    "all_finite",
+    "same",
+    "math",
+]
 
 
 class DieAt(Callback):
@@ -299,7 +309,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port), LOCAL_RANK=str(a.rank), NODE_RANK="0", WORLD_SIZE=str(a.world)
     )
-    callbacks: list[Callback] = [ModelCheckpoint(dirpath=a.dir, every_n_train_steps=2, save_top_k=-1, filename="{step}")]
+    callbacks: list[Callback] = [
+        ModelCheckpoint(dirpath=a.dir, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    ]
     if a.rank == a.die_rank:
         callbacks.append(DieAt(a.die_step, os.path.join(a.dir, f"died-{a.rank}"), hang=a.hang))
     trainer = pl.Trainer(

@@ -29,8 +29,13 @@ def test_bit_packing_round_trips(bits, n, seed):
 
 
 def test_pack_unpack_keeps_dtypes_and_shapes():
-    parts = [torch.randn(3, 5), torch.arange(7, dtype=torch.int32), torch.tensor([1, 2], dtype=torch.uint8),
-             torch.randn(4).half(), torch.zeros(0)]
+    parts = [
+        torch.randn(3, 5),
+        torch.arange(7, dtype=torch.int32),
+        torch.tensor([1, 2], dtype=torch.uint8),
+        torch.randn(4).half(),
+        torch.zeros(0),
+    ]
     buf, layout = pack(parts, torch.device("cpu"))
     assert buf.numel() % 8 == 0 and layout.payload_bytes == sum(p.numel() * p.element_size() for p in parts)
     for a, b in zip(parts, unpack(buf, layout)):

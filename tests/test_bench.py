@@ -301,14 +301,32 @@ def test_accuracy_seeds_and_epochs_reach_the_recipe(tmp_path, capsys):
     (recipes / "resnet_cifar10.py").write_text(FAKE_RECIPE)
     out = tmp_path / "acc"
     rc = bench_main(
-        ["accuracy", "--tasks", "cifar10", "--codecs", "none,topk", "--seeds", "0,1", "--max-epochs", "1",
-         "--recipes-dir", str(recipes), "--cifar-data-dir", "DATA", "--out", str(out)]
+        [
+            "accuracy",
+            "--tasks",
+            "cifar10",
+            "--codecs",
+            "none,topk",
+            "--seeds",
+            "0,1",
+            "--max-epochs",
+            "1",
+            "--recipes-dir",
+            str(recipes),
+            "--cifar-data-dir",
+            "DATA",
+            "--out",
+            str(out),
+        ]
     )
     assert rc == 0
     data = json.loads((out / "accuracy.json").read_text())
     assert [(r["codec"], r["seed"]) for r in data["rows"]] == [("none", 0), ("none", 1), ("topk", 0), ("topk", 1)]
     assert sorted(p.name for p in (out / "runs").glob("*.json")) == [
-        "cifar10-none-seed0.json", "cifar10-none-seed1.json", "cifar10-topk-seed0.json", "cifar10-topk-seed1.json"
+        "cifar10-none-seed0.json",
+        "cifar10-none-seed1.json",
+        "cifar10-topk-seed0.json",
+        "cifar10-topk-seed1.json",
     ]
     argv = data["rows"][3]["raw"]["argv"]
     assert argv["seed_everything"] == "1" and argv["trainer.max_epochs"] == "1" and "trainer.max_steps" not in argv
@@ -331,13 +349,29 @@ def _fake_runner(calls: list, fail: set):
 
     def run(task, codec, seed, args, out):
         calls.append((codec, seed, args.max_steps))
-        row = {"task": task, "codec": codec, "seed": seed, "max_steps": args.max_steps or 300, "max_epochs": None,
-               "recipe_args": args.recipe_args, "codec_options": {}, "devices": args.devices}
+        row = {
+            "task": task,
+            "codec": codec,
+            "seed": seed,
+            "max_steps": args.max_steps or 300,
+            "max_epochs": None,
+            "recipe_args": args.recipe_args,
+            "codec_options": {},
+            "devices": args.devices,
+        }
         if (codec, seed) in fail:
             return {**row, "status": "failed (exit 1)"}
-        return {**row, "status": "ok", "metric": 0.5 + seed / 100, "steps": 10, "compression_ratio": 2.0,
-                "compression_ratio_last": 3.0, "gb_sent": 1.0, "metric_name": "val/acc",
-                "call": len(calls)}
+        return {
+            **row,
+            "status": "ok",
+            "metric": 0.5 + seed / 100,
+            "steps": 10,
+            "compression_ratio": 2.0,
+            "compression_ratio_last": 3.0,
+            "gb_sent": 1.0,
+            "metric_name": "val/acc",
+            "call": len(calls),
+        }
 
     return run
 
@@ -347,8 +381,21 @@ def test_accuracy_resume_skips_done_runs_and_reruns_failed(tmp_path, monkeypatch
     fail = {("topk", 1)}
     monkeypatch.setattr(accuracy, "run_recipe", _fake_runner(calls, fail))
     out = str(tmp_path / "acc")
-    base = ["accuracy", "--tasks", "cifar10", "--codecs", "none,topk", "--seeds", "0,1", "--max-steps", "10",
-            "--recipe-args", "--model resnet10", "--out", out]
+    base = [
+        "accuracy",
+        "--tasks",
+        "cifar10",
+        "--codecs",
+        "none,topk",
+        "--seeds",
+        "0,1",
+        "--max-steps",
+        "10",
+        "--recipe-args",
+        "--model resnet10",
+        "--out",
+        out,
+    ]
     assert bench_main(base) == 1
     assert calls == [("none", 0, 10), ("none", 1, 10), ("topk", 0, 10), ("topk", 1, 10)]
     fail.clear()
@@ -358,7 +405,10 @@ def test_accuracy_resume_skips_done_runs_and_reruns_failed(tmp_path, monkeypatch
     data = json.loads((tmp_path / "acc" / "accuracy.json").read_text())
     rows = data["rows"]
     assert [(r["codec"], r["seed"], r["status"]) for r in rows] == [
-        ("none", 0, "ok"), ("none", 1, "ok"), ("topk", 0, "ok"), ("topk", 1, "ok")
+        ("none", 0, "ok"),
+        ("none", 1, "ok"),
+        ("topk", 0, "ok"),
+        ("topk", 1, "ok"),
     ]
     assert [r["call"] for r in rows] == [1, 2, 3, 1]  # the kept rows are those of the first invocation
     assert data["meta"]["argv"].count("+") == 1
@@ -366,8 +416,23 @@ def test_accuracy_resume_skips_done_runs_and_reruns_failed(tmp_path, monkeypatch
     calls.clear()
     assert bench_main(base + ["--resume"]) == 0 and calls == []
     # another budget is another configuration: it runs, the rows of the first stay
-    assert bench_main([*base[:-4], "--max-steps", "20", "--seeds", "0", "--recipe-args", "--model resnet10",
-                       "--out", out, "--resume"]) == 0
+    assert (
+        bench_main(
+            [
+                *base[:-4],
+                "--max-steps",
+                "20",
+                "--seeds",
+                "0",
+                "--recipe-args",
+                "--model resnet10",
+                "--out",
+                out,
+                "--resume",
+            ]
+        )
+        == 0
+    )
     assert calls == [("none", 0, 20), ("topk", 0, 20)]
     rows = json.loads((tmp_path / "acc" / "accuracy.json").read_text())["rows"]
     assert len(rows) == 6
@@ -376,8 +441,12 @@ def test_accuracy_resume_skips_done_runs_and_reruns_failed(tmp_path, monkeypatch
     assert summary[("none", "20 steps")]["seeds"] == "0"
     # without --resume the results are written anew
     calls.clear()
-    assert bench_main(base[:4] + ["none", "--seeds", "0", "--max-steps", "10", "--recipe-args", "--model resnet10",
-                                   "--out", out]) == 0
+    assert (
+        bench_main(
+            base[:4] + ["none", "--seeds", "0", "--max-steps", "10", "--recipe-args", "--model resnet10", "--out", out]
+        )
+        == 0
+    )
     assert calls == [("none", 0, 10)]
     assert len(json.loads((tmp_path / "acc" / "accuracy.json").read_text())["rows"]) == 1
 
@@ -387,8 +456,23 @@ def test_accuracy_resume_keys_on_recipe_args_and_codec_options(tmp_path, monkeyp
     monkeypatch.setattr(accuracy, "run_recipe", _fake_runner(calls, set()))
     out = str(tmp_path / "acc")
     assert bench_main(["accuracy", "--tasks", "cifar10", "--codecs", "none", "--out", out]) == 0
-    assert bench_main(["accuracy", "--tasks", "cifar10", "--codecs", "none", "--out", out, "--resume",
-                       "--recipe-args", "--lr 0.05"]) == 0
+    assert (
+        bench_main(
+            [
+                "accuracy",
+                "--tasks",
+                "cifar10",
+                "--codecs",
+                "none",
+                "--out",
+                out,
+                "--resume",
+                "--recipe-args",
+                "--lr 0.05",
+            ]
+        )
+        == 0
+    )
     assert len(calls) == 2  # other recipe arguments: not the same run
     row = {"task": "cifar10", "codec": "powersgd", "seed": 0, "codec_options": {"rank": 4, "a": 1}}
     assert accuracy.config_key(row) == accuracy.config_key({**row, "codec_options": {"a": 1, "rank": 4}})
@@ -396,8 +480,15 @@ def test_accuracy_resume_keys_on_recipe_args_and_codec_options(tmp_path, monkeyp
 
 
 def test_extract_history_orders_steps_and_keeps_the_last_point_of_a_step():
-    data = {"history": [{"step": 100, "metric": 0.4}, {"step": 50, "metric": 0.3}, {"step": 100, "metric": 0.45},
-                        {"step": "x", "metric": 1.0}, {"metric": 0.2}]}
+    data = {
+        "history": [
+            {"step": 100, "metric": 0.4},
+            {"step": 50, "metric": 0.3},
+            {"step": 100, "metric": 0.45},
+            {"step": "x", "metric": 1.0},
+            {"metric": 0.2},
+        ]
+    }
     assert accuracy.extract_history(data) == [{"step": 50, "metric": 0.3}, {"step": 100, "metric": 0.45}]
     assert accuracy.extract_history({"metrics": {"val/acc": 0.5}}) == []
 
@@ -630,8 +721,27 @@ def test_link_over_namespaces_times_steps_at_the_shaped_rate(tmp_path, monkeypat
 
 
 def test_plot_lists_only_the_run_behind_each_configuration():
-    argv = ["link", "--hosts", "2", "--rates", "1gbit", "+", "link", "--hosts", "4", "--rates", "100mbit",
-            "+", "link", "--hosts", "2", "--rates", "1gbit", "--codecs", "none"]
+    argv = [
+        "link",
+        "--hosts",
+        "2",
+        "--rates",
+        "1gbit",
+        "+",
+        "link",
+        "--hosts",
+        "4",
+        "--rates",
+        "100mbit",
+        "+",
+        "link",
+        "--hosts",
+        "2",
+        "--rates",
+        "1gbit",
+        "--codecs",
+        "none",
+    ]
     lines = plot._commands(argv)
     assert lines[0] == "Commands:" and len(lines) == 3
     assert "--hosts 4" in lines[1] and "--codecs none" in lines[2]  # the first 1gbit run was replaced
@@ -640,10 +750,23 @@ def test_plot_lists_only_the_run_behind_each_configuration():
 # --------------------------------------------------------------------------------------------------
 # time to accuracy
 def _acc_row(codec: str, seed: int, history: list[tuple[int, float]], final: float) -> dict:
-    return {"task": "cifar10", "codec": codec, "seed": seed, "max_steps": None, "max_epochs": 1,
-            "recipe_args": "--model resnet10", "codec_options": {}, "devices": 2, "status": "ok",
-            "metric_name": "val/acc", "metric": final, "steps": history[-1][0], "model": "resnet10",
-            "batch_size": 64, "history": [{"step": s, "metric": m} for s, m in history]}
+    return {
+        "task": "cifar10",
+        "codec": codec,
+        "seed": seed,
+        "max_steps": None,
+        "max_epochs": 1,
+        "recipe_args": "--model resnet10",
+        "codec_options": {},
+        "devices": 2,
+        "status": "ok",
+        "metric_name": "val/acc",
+        "metric": final,
+        "steps": history[-1][0],
+        "model": "resnet10",
+        "batch_size": 64,
+        "history": [{"step": s, "metric": m} for s, m in history],
+    }
 
 
 def _tta_inputs() -> tuple[dict, dict]:
@@ -659,14 +782,19 @@ def _tta_inputs() -> tuple[dict, dict]:
         _acc_row("lgc", 1, [(50, 0.5), (150, 0.6)], 0.6),
         {**_acc_row("iwp", 0, [(50, 0.9)], 0.9), "status": "failed (exit 1)"},  # failed runs are left out
     ]
-    link_rows = [{"hosts": 2, "rate": "100mbit", "model": "resnet18", "codec": c, "step_s": t}
-                 for c, t in (("floor", 1.0), ("none", 4.0), ("powersgd", 1.2), ("topk", 1.3), ("lgc", 1.25))]
-    link_rows += [{"hosts": 2, "rate": "10mbit", "model": "resnet18", "codec": c, "step_s": t}
-                  for c, t in (("none", 40.0), ("powersgd", 1.5), ("topk", 1.6))]
-    link_rows += [{"hosts": 4, "rate": "100mbit", "model": "resnet18", "codec": c, "step_s": 9.0}
-                  for c in ("none", "powersgd", "lgc")]
-    return ({"meta": {}, "rows": rows},
-            {"meta": {"model": "resnet18", "batch_size": 32}, "rows": link_rows})
+    link_rows = [
+        {"hosts": 2, "rate": "100mbit", "model": "resnet18", "codec": c, "step_s": t}
+        for c, t in (("floor", 1.0), ("none", 4.0), ("powersgd", 1.2), ("topk", 1.3), ("lgc", 1.25))
+    ]
+    link_rows += [
+        {"hosts": 2, "rate": "10mbit", "model": "resnet18", "codec": c, "step_s": t}
+        for c, t in (("none", 40.0), ("powersgd", 1.5), ("topk", 1.6))
+    ]
+    link_rows += [
+        {"hosts": 4, "rate": "100mbit", "model": "resnet18", "codec": c, "step_s": 9.0}
+        for c in ("none", "powersgd", "lgc")
+    ]
+    return ({"meta": {}, "rows": rows}, {"meta": {"model": "resnet18", "batch_size": 32}, "rows": link_rows})
 
 
 def test_tta_steps_and_seconds_to_none_final_accuracy():
@@ -685,8 +813,10 @@ def test_tta_steps_and_seconds_to_none_final_accuracy():
     # lgc: step 100 is not common to both seeds, so its first point at the target is 150
     assert got["lgc", "100mbit"]["steps_to_target"] == 150 and got["lgc", "100mbit"]["tta_s"] == pytest.approx(187.5)
     assert got["lgc", "100mbit"]["speedup_vs_powersgd"] == pytest.approx(120 / 187.5)
-    assert result["curves"]["lgc"] == [{"step": 50, "mean": 0.5, "min": 0.5, "max": 0.5},
-                                       {"step": 150, "mean": 0.6, "min": 0.6, "max": 0.6}]
+    assert result["curves"]["lgc"] == [
+        {"step": 50, "mean": 0.5, "min": 0.5, "max": 0.5},
+        {"step": 150, "mean": 0.6, "min": 0.6, "max": 0.6},
+    ]
     # topk never gets there; the step time is still reported
     topk = got["topk", "100mbit"]
     assert topk["steps_to_target"] is None and topk["steps_text"] == "not reached" and topk["tta_s"] is None
@@ -699,7 +829,11 @@ def test_tta_steps_and_seconds_to_none_final_accuracy():
     assert "no link row" in got["lgc", "10mbit"]["note"]
     # both measurements and their differences are on record
     assert (meta["accuracy_model"], meta["accuracy_batch_size"], meta["link_model"], meta["link_batch_size"]) == (
-        "resnet10", 64, "resnet18", 32)
+        "resnet10",
+        64,
+        "resnet18",
+        32,
+    )
     assert any("model differs" in w for w in meta["warnings"]) and any("batch" in w for w in meta["warnings"])
     assert "two separate measurements" in meta["caption"] and "0.5500" in meta["caption"]
 
@@ -754,8 +888,21 @@ def test_tta_command_writes_json_csv_and_table(tmp_path, capsys):
     (tmp_path / "acc.json").write_text(json.dumps(acc))
     (tmp_path / "link.json").write_text(json.dumps(link_data))
     out = tmp_path / "tta"
-    rc = bench_main(["tta", "--accuracy", str(tmp_path / "acc.json"), "--link", str(tmp_path / "link.json"),
-                     "--rates", "100mbit,10mbit", "--out", str(out), "--figure", str(tmp_path / "fig")])
+    rc = bench_main(
+        [
+            "tta",
+            "--accuracy",
+            str(tmp_path / "acc.json"),
+            "--link",
+            str(tmp_path / "link.json"),
+            "--rates",
+            "100mbit,10mbit",
+            "--out",
+            str(out),
+            "--figure",
+            str(tmp_path / "fig"),
+        ]
+    )
     assert rc == 0
     for rate in ("100mbit", "10mbit"):  # the figure of accuracy against wall-clock time, per rate
         assert (tmp_path / "fig" / f"accuracy_vs_time_{rate}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -776,8 +923,9 @@ def test_plot_draws_accuracy_against_time_and_tta_tables(tmp_path):
     (res / "link").mkdir()
     for r in acc["rows"]:
         r["bytes_sent"] = 1e9
-    (res / "accuracy" / "accuracy.json").write_text(json.dumps({"meta": {"max_epochs": 1, "seeds": [0, 1],
-                                                                          "devices": 2}, "rows": acc["rows"]}))
+    (res / "accuracy" / "accuracy.json").write_text(
+        json.dumps({"meta": {"max_epochs": 1, "seeds": [0, 1], "devices": 2}, "rows": acc["rows"]})
+    )
     (res / "link" / "link.json").write_text(json.dumps(link_data))
     md = tmp_path / "docs" / "benchmarks.md"
     figures = tmp_path / "docs" / "figures"
@@ -802,8 +950,9 @@ def test_compression_report_records_rank_zero_history_and_writes_the_result(tmp_
 
     report = CompressionReport(monitor="val/acc", metrics_json=str(tmp_path / "out" / "m.json"))
     assert isinstance(report, Callback)
-    trainer = SimpleNamespace(sanity_checking=False, is_global_zero=True, global_step=50,
-                              callback_metrics={"val/acc": 0.25})
+    trainer = SimpleNamespace(
+        sanity_checking=False, is_global_zero=True, global_step=50, callback_metrics={"val/acc": 0.25}
+    )
     report.on_validation_end(trainer, None)
     trainer.global_step, trainer.callback_metrics = 100, {"val/acc": 0.5}
     report.on_validation_end(trainer, None)
@@ -816,8 +965,14 @@ def test_compression_report_records_rank_zero_history_and_writes_the_result(tmp_
     resumed.load_state_dict(report.state_dict())
     assert resumed.history == report.history and resumed.state_key == report.state_key
     # the end of fit: printed on rank 0 and written as JSON, with the history
-    fake = SimpleNamespace(**vars(trainer), strategy=SimpleNamespace(), world_size=2, loggers=[], logger=None,
-                           datamodule=SimpleNamespace(hparams={"batch_size": 32}))
+    fake = SimpleNamespace(
+        **vars(trainer),
+        strategy=SimpleNamespace(),
+        world_size=2,
+        loggers=[],
+        logger=None,
+        datamodule=SimpleNamespace(hparams={"batch_size": 32}),
+    )
     report.on_fit_end(fake, SimpleNamespace(hparams={"model": "resnet18"}))
     result = json.loads((tmp_path / "out" / "m.json").read_text())
     assert result["history"] == report.history and result["metrics"] == {"val/acc": 0.52, "val/loss": 1.5}
@@ -828,10 +983,14 @@ def test_compression_report_records_rank_zero_history_and_writes_the_result(tmp_
 def test_legacy_recipe_flags_match_todays_configuration():
     """Rows recorded with the argparse recipes keep matching the same run spelled for LightningCLI."""
     old = "--model resnet18 --batch-size 32 --lr 0.05 --val-subset 5000 --val-every-n-steps 130"
-    new = ("--model.model resnet18 --data.batch_size 32 --model.lr 0.05 --data.val_subset 5000 "
-           "--trainer.check_val_every_n_epoch null --trainer.val_check_interval 130")
+    new = (
+        "--model.model resnet18 --data.batch_size 32 --model.lr 0.05 --data.val_subset 5000 "
+        "--trainer.check_val_every_n_epoch null --trainer.val_check_interval 130"
+    )
     assert accuracy.normalize_recipe_args(old) == new and accuracy.normalize_recipe_args(new) == new
     assert accuracy.normalize_recipe_args("--model=resnet10") == "--model.model resnet10"
     row = {"task": "cifar10", "codec": "topk", "seed": 0, "max_epochs": 1, "codec_options": {}, "devices": 2}
     assert accuracy.config_key({**row, "recipe_args": old}) == accuracy.config_key({**row, "recipe_args": new})
-    assert accuracy.config_key({**row, "recipe_args": old}) != accuracy.config_key({**row, "recipe_args": "--model.lr 0.1"})
+    assert accuracy.config_key({**row, "recipe_args": old}) != accuracy.config_key(
+        {**row, "recipe_args": "--model.lr 0.1"}
+    )

@@ -8,9 +8,9 @@ import time
 
 import pytest
 import torch
-
 from device_helpers import train_every_codec
 from dist_utils import run_gloo
+
 from lightning_gradcomp.codecs import rangefloat as rf
 from lightning_gradcomp.stats import StatsAccumulator
 from lightning_gradcomp.timing import Clock, Span, clock_for, resolve

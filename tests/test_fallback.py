@@ -73,7 +73,7 @@ def test_clear_win_keeps_a_bucket_whose_own_timing_looks_worse(clock):
     policy = FallbackPolicy(enabled=True)
     kinds = drive(policy, clock, plain_s=4.0, compressed_s=1.0, steps=8, compressed_share=0.95)
     assert all(kinds[2:]) and policy.decided and policy.fallback == set()
-    (c, d), = policy.decisions.values()
+    ((c, d),) = policy.decisions.values()
     assert c > 1.1 * d  # the per-bucket rule alone would have sent it plainly
 
 
@@ -115,5 +115,5 @@ def test_bad_arguments_name_the_option():
 def test_close_call_still_drops_a_bucket_that_costs_more_compressed(clock):
     policy = FallbackPolicy(enabled=True)
     drive(policy, clock, plain_s=1.3, compressed_s=1.2, steps=12, compressed_share=0.3)
-    (c, d), = policy.decisions.values()
+    ((c, d),) = policy.decisions.values()
     assert c > 1.1 * d and policy.fallback == {"bucket"}

@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from dist_utils import run_gloo
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dist_utils import run_gloo
 from lightning_gradcomp import make_codec, make_comm_hook
 from lightning_gradcomp.callbacks.rollback import AdjustableCompression
 from lightning_gradcomp.codecs.fft import FFTCodec

@@ -15,12 +15,12 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-
 from device_helpers import train_every_codec
 from dist_utils import run_gloo
-from lightning_gradcomp import CompressedDDPStrategy, available_codecs
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from reliability_helpers import Net, short_options
+
+from lightning_gradcomp import CompressedDDPStrategy, available_codecs
 
 pytestmark = [
     pytest.mark.gpu,

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from dist_utils import run_gloo
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dist_utils import run_gloo
 from lightning_gradcomp import make_comm_hook
 from lightning_gradcomp.codecs.base import CodecContext
 from lightning_gradcomp.codecs.gradiveq import GradiVeQCodec, fit_pca
@@ -17,7 +17,15 @@ from lightning_gradcomp.registry import make_codec
 
 def fitted_codec(world: int = 1, n: int = 2000, steps: int = 3, **opts) -> tuple[GradiVeQCodec, torch.Generator]:
     """A codec fitted on low-rank-plus-noise 'gradients' of one layer called 'w'."""
-    opts = {"slice_dim": 8, "num_components": 3, "warmup_steps": steps, "refresh_every": 0, "min_numel": 0, "quant_levels": 0, **opts}
+    opts = {
+        "slice_dim": 8,
+        "num_components": 3,
+        "warmup_steps": steps,
+        "refresh_every": 0,
+        "min_numel": 0,
+        "quant_levels": 0,
+        **opts,
+    }
     codec = make_codec("gradiveq", **{"basis_source": "aggregate", **opts})
     codec.setup(CodecContext(0, world, torch.device("cpu")))
     g = torch.Generator().manual_seed(0)
@@ -94,7 +102,16 @@ def test_fit_pca_is_orthonormal_signed_deterministic_and_exact_on_low_rank_data(
 
 
 def test_schedule_windows_and_refits():
-    codec = make_codec("gradiveq", basis_source="aggregate", slice_dim=4, num_components=2, warmup_steps=3, refresh_every=4, refresh_window=2, min_numel=0)
+    codec = make_codec(
+        "gradiveq",
+        basis_source="aggregate",
+        slice_dim=4,
+        num_components=2,
+        warmup_steps=3,
+        refresh_every=4,
+        refresh_window=2,
+        min_numel=0,
+    )
     phases = [codec.phase_at(s) for s in range(12)]
     assert phases == ["warmup"] * 3 + ["compress"] * 4 + ["refresh"] * 2 + ["compress"] * 3
     assert not codec.is_compressing(3)  # never before a basis exists
@@ -111,7 +128,15 @@ def test_schedule_windows_and_refits():
 
 
 def test_bounded_sample():
-    codec = make_codec("gradiveq", basis_source="aggregate", slice_dim=8, num_components=2, warmup_steps=4, max_samples=100, min_numel=0)
+    codec = make_codec(
+        "gradiveq",
+        basis_source="aggregate",
+        slice_dim=8,
+        num_components=2,
+        warmup_steps=4,
+        max_samples=100,
+        min_numel=0,
+    )
     g = torch.Generator().manual_seed(0)
     for step in [0, 1, 2, 3, 0, 1, 2]:  # more rows than max_samples arrive: 25 a step
         codec.observe_dense("w", torch.randn(8 * 1000, generator=g), step)
@@ -169,7 +194,9 @@ def test_packed_quantized_levels_sum_exactly_and_are_unbiased():
     summed = [encs[0].payload[i] + encs[1].payload[i] for i in range(2)]
     total = codec.decode(summed, encs[0].ctx, xs[0].numel(), world)
     n = xs[0].numel()
-    torch.testing.assert_close(total, codec.decode_local(encs[0], n) + codec.decode_local(encs[1], n), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        total, codec.decode_local(encs[0], n) + codec.decode_local(encs[1], n), atol=1e-5, rtol=0
+    )
     # unbiased: averaging many independently rounded encodings approaches the exact projection
     exact = codec._coefficients(xs[0], "w").reshape(-1)
     draws = []
@@ -222,7 +249,16 @@ def ddp_run(rank: int, world: int, steps: int, **opts):
     model = make_model()
     ref = make_model()  # same weights, no DDP: this rank's own gradient
     ddp = DDP(model)
-    state, hook = make_comm_hook("gradiveq", ddp, basis_source="aggregate", warmup_steps=WARMUP, refresh_every=0, min_numel=1000, dense_layers="none", **opts)
+    state, hook = make_comm_hook(
+        "gradiveq",
+        ddp,
+        basis_source="aggregate",
+        warmup_steps=WARMUP,
+        refresh_every=0,
+        min_numel=1000,
+        dense_layers="none",
+        **opts,
+    )
     ddp.register_comm_hook(state, hook)
     codec = state.codec
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -371,7 +407,15 @@ def test_lightning_pca_warmup_schedule_logging_and_checkpoint(tmp_path):
     from lightning_gradcomp.callbacks import PCAWarmup
 
     strategy = CompressedDDPStrategy(
-        codec="gradiveq", codec_options={"basis_source": "aggregate", "slice_dim": 8, "num_components": 2, "min_numel": 1000, "dense_layers": "none"}, start_method="spawn"
+        codec="gradiveq",
+        codec_options={
+            "basis_source": "aggregate",
+            "slice_dim": 8,
+            "num_components": 2,
+            "min_numel": 1000,
+            "dense_layers": "none",
+        },
+        start_method="spawn",
     )
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -413,7 +457,9 @@ def test_lightning_pca_warmup_schedule_logging_and_checkpoint(tmp_path):
 def _leader_run(rank: int, world: int, steps: int) -> dict:
     model = make_model()
     ddp = DDP(model)
-    state, hook = make_comm_hook("gradiveq", ddp, slice_dim=8, num_components=2, quant_levels=0, min_numel=1000, dense_layers="none")
+    state, hook = make_comm_hook(
+        "gradiveq", ddp, slice_dim=8, num_components=2, quant_levels=0, min_numel=1000, dense_layers="none"
+    )
     ddp.register_comm_hook(state, hook)
     codec = state.codec
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 import torch.nn as nn
+from dist_utils import run_gloo
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dist_utils import run_gloo
 from lightning_gradcomp import make_comm_hook
 
 CODECS = ["none", "fp16", "topk", "qsgd", "terngrad", "powersgd"]

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import run_gloo
 from torch import nn
 
 from lightning_gradcomp.codecs.base import weight_layer_ends
 from lightning_gradcomp.registry import available_codecs, make_codec
-
-from dist_utils import run_gloo
 
 
 def _cifar_resnet18() -> nn.Module:
@@ -72,7 +71,9 @@ def _dense_layers_exact(rank: int, world: int, codec: str) -> list[dict]:
     model = _mlp()
     ddp = DDP(model)
     policy = ["0.*", "4.*"]  # the first and the last layer, by name
-    state, hook = make_comm_hook(codec, ddp, min_numel=1000, dense_layers=policy, **({"ratio": 0.01} if codec == "topk" else {}))
+    state, hook = make_comm_hook(
+        codec, ddp, min_numel=1000, dense_layers=policy, **({"ratio": 0.01} if codec == "topk" else {})
+    )
     ddp.register_comm_hook(state, hook)
     gen = torch.Generator().manual_seed(11 + rank)  # different data on every rank
     rows = []

@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import run_gloo
 from torch import nn
 
 from lightning_gradcomp.codecs.lgc import MIN_AE_LEN, GradientAutoencoder, LGCCodec
 from lightning_gradcomp.codecs.positions import choose_encoding, encoded_nbytes
 from lightning_gradcomp.registry import make_codec
-
-from dist_utils import run_gloo
 
 WARMUP, AE_STEPS, STAGE3 = 3, 5, 3
 RATIO, INNOV, LATENT = 0.1, 0.01, 4
@@ -45,7 +44,7 @@ def _mlp() -> nn.Module:
         (dict(ratio=0.0), "ratio must be in"),
         (dict(ratio=0.01, innovation_ratio=0.02), "innovation_ratio must be below ratio"),
         (dict(ae_train_steps=0), "ae_train_steps must be >= 1 step"),
-            (dict(ae_train_steps=1.5), "ae_train_steps must be an integer >= 0 .steps. or a float in .0, 1."),
+        (dict(ae_train_steps=1.5), "ae_train_steps must be an integer >= 0 .steps. or a float in .0, 1."),
         (dict(warmup_steps=-1), "warmup_steps must be an integer >= 0"),
         (dict(latent_channels=0), "latent_channels"),
         (dict(ae_lr=0.0), "ae_lr must be a positive number"),
@@ -404,9 +403,16 @@ def _guarded_stage3(rank: int, world: int, break_ae: bool) -> dict:
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
         st = state.stats.pop()
-        rows.append({"stage": state.codec.stage(step), "used": state.codec.ae_layers_used,
-                     "payload": st.payload_bytes, "err_sq": st.err_sq, "ref_sq": st.ref_sq,
-                     "grads": [p.grad.clone() for p in model.parameters()]})
+        rows.append(
+            {
+                "stage": state.codec.stage(step),
+                "used": state.codec.ae_layers_used,
+                "payload": st.payload_bytes,
+                "err_sq": st.err_sq,
+                "ref_sq": st.ref_sq,
+                "grads": [p.grad.clone() for p in model.parameters()],
+            }
+        )
         opt.step()
     return {"rows": rows}
 

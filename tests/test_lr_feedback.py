@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_utils import run_gloo
 from torch import nn
 
 from lightning_gradcomp.hook import CodecHookState
 from lightning_gradcomp.registry import make_codec
-
-from dist_utils import run_gloo
 
 RATES = [0.1, 0.1, 0.08, 0.05, 0.03, 0.02, 0.01, 0.005, 0.002, 0.001]
 
@@ -33,8 +32,9 @@ def _update_ledger(rank: int, world: int, scaled: bool) -> dict:
 
     model = _mlp()
     ddp = DDP(model)
-    state, hook = make_comm_hook("topk", ddp, ratio=0.02, min_numel=1000, dense_layers="none",
-                                 lr_scaled_feedback=scaled)
+    state, hook = make_comm_hook(
+        "topk", ddp, ratio=0.02, min_numel=1000, dense_layers="none", lr_scaled_feedback=scaled
+    )
     ddp.register_comm_hook(state, hook)
     names = dict(model.named_parameters())
     key = "0.weight"  # 4,096 values: compressed

@@ -6,12 +6,11 @@ import warnings
 
 import pytest
 import torch
+from dist_utils import run_gloo
 from torch import nn
 
 from lightning_gradcomp import CompressedDDPStrategy
 from lightning_gradcomp.registry import make_codec
-
-from dist_utils import run_gloo
 
 LR, MOMENTUM, WD = 0.05, 0.9, 5e-3
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from lightning_gradcomp import make_codec
-from lightning_gradcomp.codecs.rangefloat import RangeFloat, codes_nbytes, pack_codes, unpack_codes, rf_quantize
+from lightning_gradcomp.codecs.rangefloat import RangeFloat, codes_nbytes, pack_codes, rf_quantize, unpack_codes
 
 FORMATS = [RangeFloat(bits, rounding=r) for bits in (8, 10, 16) for r in ("nearest", "stochastic")] + [
     RangeFloat(8, exponent_bits=3),
@@ -97,7 +97,9 @@ def test_exactly_representable_values_round_trip():
     assert torch.equal(fmt.decode(fmt.encode(x), x.numel()), x)
 
 
-@pytest.mark.parametrize("x", [torch.zeros(10), torch.full((7,), -3.25), torch.tensor([1e-40, 0.0, -1e-39]), torch.zeros(0)])
+@pytest.mark.parametrize(
+    "x", [torch.zeros(10), torch.full((7,), -3.25), torch.tensor([1e-40, 0.0, -1e-39]), torch.zeros(0)]
+)
 def test_edge_cases(x):
     fmt = RangeFloat(8)
     y = fmt.decode(fmt.encode(x), x.numel())
@@ -139,7 +141,12 @@ def test_code_packing_round_trips(bits):
 
 @pytest.mark.parametrize(
     "kwargs, option",
-    [({"bits": 3}, "bits"), ({"bits": 17}, "bits"), ({"exponent_bits": 7}, "exponent_bits"), ({"rounding": "up"}, "rounding")],
+    [
+        ({"bits": 3}, "bits"),
+        ({"bits": 17}, "bits"),
+        ({"exponent_bits": 7}, "exponent_bits"),
+        ({"rounding": "up"}, "rounding"),
+    ],
 )
 def test_invalid_options_name_the_option(kwargs, option):
     with pytest.raises(ValueError, match=option):

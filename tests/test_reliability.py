@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_utils import free_port, run_gloo
 from reliability_helpers import all_finite, from_bytes, lightning_worker, same, short_options, to_bytes
 
@@ -72,7 +71,9 @@ def test_nonfinite_skip(nonfinite_results, i) -> None:
     for a, b in zip(ranks[0]["rows"], ranks[1]["rows"]):  # ranks stay identical at every step
         assert torch.equal(a["weights"], b["weights"])
     if NONFINITE_RUNS[i]["codec"] == "topk":  # residuals exist and are per rank
-        assert ranks[0]["rows"][BAD]["residuals"] and not same(ranks[0]["rows"][BAD]["residuals"], ranks[1]["rows"][BAD]["residuals"])
+        assert ranks[0]["rows"][BAD]["residuals"] and not same(
+            ranks[0]["rows"][BAD]["residuals"], ranks[1]["rows"][BAD]["residuals"]
+        )
 
 
 def test_nonfinite_zero(nonfinite_results) -> None:
@@ -96,9 +97,8 @@ def test_nonfinite_raise(nonfinite_results) -> None:
 # --------------------------------------------------------------------------------------------------
 # the same with plain DDP and make_comm_hook
 def _raw_nonfinite(rank: int, world: int) -> bytes:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from reliability_helpers import Net, flat_params
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     out = {}
     # (codec, value injected on rank 1): 1e30 is finite but overflows fp16 on the wire
@@ -121,16 +121,27 @@ def _raw_nonfinite(rank: int, world: int) -> bytes:
             if not skip:
                 opt.step()
             grads = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
-            rec.append({"skip": skip, "grad_max": float(grads.abs().max()), "weights": flat_params(net),
-                        "residuals_kept": same(before, state.memory.state_dict()) if before else None})
+            rec.append(
+                {
+                    "skip": skip,
+                    "grad_max": float(grads.abs().max()),
+                    "weights": flat_params(net),
+                    "residuals_kept": same(before, state.memory.state_dict()) if before else None,
+                }
+            )
         out[f"{codec}-{value}"] = rec
     return to_bytes(out)
 
 
 def _raw_suite(rank: int, world: int) -> bytes:
     """All plain-DDP checks in one pair of processes (each spawn costs seconds)."""
-    return to_bytes({"nonfinite": from_bytes(_raw_nonfinite(rank, world)), "mismatch": from_bytes(_mismatch(rank, world)),
-                     "half": from_bytes(_half_params(rank, world))})
+    return to_bytes(
+        {
+            "nonfinite": from_bytes(_raw_nonfinite(rank, world)),
+            "mismatch": from_bytes(_mismatch(rank, world)),
+            "half": from_bytes(_half_params(rank, world)),
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +203,18 @@ def test_mismatched_settings_fail_on_every_rank(raw_results) -> None:
 def _run_with_failing_rank(tmp_path: Path, timeout_s: float, hang: bool) -> tuple[int, float, str]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, str(HERE / "reliability_helpers.py"), "--port", str(port), "--timeout", str(timeout_s),
-           "--die-step", "5", "--dir", str(tmp_path)] + (["--hang"] if hang else [])
+    cmd = [
+        sys.executable,
+        str(HERE / "reliability_helpers.py"),
+        "--port",
+        str(port),
+        "--timeout",
+        str(timeout_s),
+        "--die-step",
+        "5",
+        "--dir",
+        str(tmp_path),
+    ] + (["--hang"] if hang else [])
     procs = [
         subprocess.Popen(cmd + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         for r in range(2)
@@ -274,12 +295,15 @@ def test_resume_matches_uninterrupted(resume_results, codec: str) -> None:
     saved = ckpt["gradcomp"]
     assert saved["codec"] == codec and saved["shared"]["step"] == CUT and len(saved["ranks"]) == 2
     for r in range(2):
-        assert full[r]["error"] is None and resumed[r]["error"] is None, (full[r].get("message"), resumed[r].get("message"))
+        assert full[r]["error"] is None and resumed[r]["error"] is None, (
+            full[r].get("message"),
+            resumed[r].get("message"),
+        )
         before = {row["global_step"]: row for row in full[r]["rows"]}
         after = {row["global_step"]: row for row in resumed[r]["rows"]}
         assert sorted(after) == list(range(CUT + 1, STEPS + 1))
         # the residuals this rank saved are the ones it held at the cut
-        mine = {k[len("residual."):]: v for k, v in saved["ranks"][r].items() if k.startswith("residual.")}
+        mine = {k[len("residual.") :]: v for k, v in saved["ranks"][r].items() if k.startswith("residual.")}
         assert same(mine, before[CUT]["residuals"])
         for s in after:
             if codec == "powersgd":
@@ -332,9 +356,8 @@ def test_features_with_compression(feature_results, i: int) -> None:
 # --------------------------------------------------------------------------------------------------
 # half-precision parameters: the hook upcasts, every codec survives a short run
 def _half_params(rank: int, world: int) -> bytes:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from reliability_helpers import Net, flat_params
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     out = {}
     for dtype in (torch.bfloat16, torch.float16):
@@ -352,8 +375,12 @@ def _half_params(rank: int, world: int) -> bytes:
                     if not state.consume_skip():
                         opt.step()
                     state.stats.pop()  # what the monitor callback does in a Lightning run
-                out[f"{codec}-{dtype}"] = {"weights": flat_params(net), "nonfinite": state.nonfinite_steps,
-                                           "bytes": state.stats.last.wire_bytes, "raw": state.stats.last.raw_wire_bytes}
+                out[f"{codec}-{dtype}"] = {
+                    "weights": flat_params(net),
+                    "nonfinite": state.nonfinite_steps,
+                    "bytes": state.stats.last.wire_bytes,
+                    "raw": state.stats.last.raw_wire_bytes,
+                }
             except Exception as err:  # report per codec instead of stopping the others
                 out[f"{codec}-{dtype}"] = {"error": f"{type(err).__name__}: {err}"}
     return to_bytes(out)

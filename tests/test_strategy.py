@@ -7,10 +7,10 @@ import time
 import lightning.pytorch as pl
 import torch
 import torch.nn as nn
+from dist_utils import run_gloo
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lightning_gradcomp as gc
-from dist_utils import run_gloo
 from lightning_gradcomp import CompressedDDPStrategy, make_comm_hook
 
 

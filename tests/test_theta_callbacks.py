@@ -172,7 +172,12 @@ def test_rollback_restores_identical_state_on_both_ranks_and_training_continues(
     # epoch 2 dropped on rank 1 only: neither did (one rollback, one later snapshot)
     assert not (tmp_path / "snap1.rank0.json").exists() and not (tmp_path / "snap1.rank1.json").exists()
     for r in range(2):
-        snap, before, restored, final = read("snap0", r), read("before_rollback", r), read("restored", r), read("final", r)
+        snap, before, restored, final = (
+            read("snap0", r),
+            read("before_rollback", r),
+            read("restored", r),
+            read("final", r),
+        )
         assert snap["step"] == 4 and restored["step"] == 8 and final["step"] == 12
         assert snap["n_residuals"] > 0  # the compressed layer carries a residual worth restoring
         for key in ("model", "optimizer", "residuals"):

@@ -369,8 +369,11 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     # plain all-reduce on the same task, seed, budget and recipe arguments: the paired reference
     # (seeds differ in initialisation, data order and, where a subset is drawn, the test images,
     # which moves every codec together; the difference per seed is what the codec did)
-    none_metric = {_pairing_key(r): r["metric"] for r in rows
-                   if r.get("codec") == "none" and r.get("status", "ok") == "ok" and r.get("metric") is not None}
+    none_metric = {
+        _pairing_key(r): r["metric"]
+        for r in rows
+        if r.get("codec") == "none" and r.get("status", "ok") == "ok" and r.get("metric") is not None
+    }
     out = []
     for rs in groups.values():
         ok = [r for r in rs if r.get("status", "ok") == "ok" and r.get("metric") is not None]

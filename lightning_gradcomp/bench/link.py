@@ -92,7 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-fast-warmup",
         action="store_true",
-        help="run warm-up steps at the target rate too (by default they run at 1gbit; only measured steps use the rate)",
+        help="run warm-up steps at the target rate too (by default they run at 1gbit; "
+        "only measured steps use the rate)",
     )
     p.add_argument("--loopback", action="store_true", help="no namespaces: all ranks on 127.0.0.1, no shaping")
     p.add_argument("--cleanup", action="store_true", help="remove namespaces left by killed runs, then exit")
@@ -101,7 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--append",
         action="store_true",
-        help="keep the results already in OUT/link.json (a codec measured again at the same hosts and rate replaces its row)",
+        help="keep the results already in OUT/link.json "
+        "(a codec measured again at the same hosts and rate replaces its row)",
     )
     p.add_argument("--out", default="bench_results/link", help="output directory")
 

@@ -266,7 +266,10 @@ def write_markdown(path: Path, results: Path, figures: list[Path]) -> Path:
     tta = time_to_accuracy(results, acc, link)
     meta = next((d["meta"] for d in (link, codecs, acc) if d), {})
     lines = [BEGIN, "", "Machine: " + _machine_text(meta), ""]
-    rel = lambda p: Path(p).resolve().relative_to(path.parent.resolve()) if _under(p, path.parent) else p
+
+    def rel(p):
+        return Path(p).resolve().relative_to(path.parent.resolve()) if _under(p, path.parent) else p
+
     if link:
         lm = link["meta"]
         lines += (

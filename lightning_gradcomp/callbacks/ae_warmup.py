@@ -65,7 +65,8 @@ class AutoencoderWarmup(Callback):
         if codec is None:
             raise ValueError(
                 "AutoencoderWarmup needs CompressedDDPStrategy(codec='lgc'); "
-                f"the strategy is {type(trainer.strategy).__name__} with codec {getattr(trainer.strategy, 'codec', None)!r}"
+                f"the strategy is {type(trainer.strategy).__name__} "
+                f"with codec {getattr(trainer.strategy, 'codec', None)!r}"
             )
         # runs on every rank before the strategy registers the hook (and compares codec options)
         if self.warmup_steps is not None:
@@ -103,16 +104,24 @@ class AutoencoderWarmup(Callback):
         if steps == 0 or codec.stage(steps - 1) == 1:
             return f"lgc: still in the dense warm-up after {steps} steps (warmup_steps ends at step {codec.warmup_end})"
         if not codec.ae_trained:
-            return (f"lgc: shared-support top-k from step {codec.warmup_end}; the autoencoder is trained at step "
-                    f"{codec.ae_start_step}, after this run's {steps} steps")
+            return (
+                f"lgc: shared-support top-k from step {codec.warmup_end}; the autoencoder is trained at step "
+                f"{codec.ae_start_step}, after this run's {steps} steps"
+            )
         used, eligible = codec.ae_layers_used
         if eligible:
-            how = (f"it carried {used} of the {eligible} layer(s) that passed the gate at the last step "
-                   "(the run-time guard sends the others exactly)")
+            how = (
+                f"it carried {used} of the {eligible} layer(s) that passed the gate at the last step "
+                "(the run-time guard sends the others exactly)"
+            )
         elif math.isfinite(codec.ae_recon_error):
-            how = (f"no layer passed the gate (held-out reconstruction error {codec.ae_recon_error:.2f} > "
-                   f"max_recon_error {codec.max_recon_error}), so the exact values of the shared support were sent")
+            how = (
+                f"no layer passed the gate (held-out reconstruction error {codec.ae_recon_error:.2f} > "
+                f"max_recon_error {codec.max_recon_error}), so the exact values of the shared support were sent"
+            )
         else:
-            how = ("no layer passed the gate (too few stage-2 samples to measure the autoencoder's error), so the "
-                   "exact values of the shared support were sent")
+            how = (
+                "no layer passed the gate (too few stage-2 samples to measure the autoencoder's error), so the "
+                "exact values of the shared support were sent"
+            )
         return f"lgc: learned code from step {codec.ae_start_step}: {how}"

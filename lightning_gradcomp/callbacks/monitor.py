@@ -37,7 +37,9 @@ class CompressionMonitor(Callback):
         self.prog_bar = prog_bar
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         state = getattr(trainer.strategy, "hook_state", None)
         if state is None:
             return
@@ -51,4 +53,6 @@ class CompressionMonitor(Callback):
         scalars["gradcomp/nonfinite_steps"] = float(state.nonfinite_steps)
         pl_module.log_dict(scalars, on_step=True, on_epoch=False, batch_size=1)
         if self.prog_bar:
-            pl_module.log("ratio", step.compression_ratio, prog_bar=True, on_step=True, on_epoch=False, logger=False, batch_size=1)
+            pl_module.log(
+                "ratio", step.compression_ratio, prog_bar=True, on_step=True, on_epoch=False, logger=False, batch_size=1
+            )

@@ -38,7 +38,9 @@ class PCAWarmup(Callback):
         refresh_window: override ``refresh_window`` (>= 1).
     """
 
-    def __init__(self, warmup_steps: int | None = None, refresh_every: int | None = None, refresh_window: int | None = None) -> None:
+    def __init__(
+        self, warmup_steps: int | None = None, refresh_every: int | None = None, refresh_window: int | None = None
+    ) -> None:
         if warmup_steps is not None:
             check_positive_int("warmup_steps", warmup_steps)
         if refresh_every is not None:
@@ -62,10 +64,14 @@ class PCAWarmup(Callback):
         if codec is None:
             rank_zero_warn("PCAWarmup only acts on CompressedDDPStrategy(codec='gradiveq'); it does nothing here")
             return
-        codec.configure(warmup_steps=self.warmup_steps, refresh_every=self.refresh_every, refresh_window=self.refresh_window)
+        codec.configure(
+            warmup_steps=self.warmup_steps, refresh_every=self.refresh_every, refresh_window=self.refresh_window
+        )
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         from lightning_gradcomp.codecs.gradiveq import PHASES
 
         codec = self._codec(trainer)

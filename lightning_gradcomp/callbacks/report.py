@@ -51,7 +51,9 @@ class CompressionReport(Callback):
                           callbacks=[CompressionReport(monitor="val/acc", metrics_json="run.json")])
     """
 
-    def __init__(self, monitor: str | None = None, metrics_json: str | None = None, validate_last_step: bool = True) -> None:
+    def __init__(
+        self, monitor: str | None = None, metrics_json: str | None = None, validate_last_step: bool = True
+    ) -> None:
         self.monitor = monitor
         self.metrics_json = metrics_json
         self.validate_last_step = validate_last_step
@@ -83,7 +85,9 @@ class CompressionReport(Callback):
             self._last_step = float("inf")
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.validate_last_step and trainer.global_step >= self._last_step:
             trainer.should_stop = True  # Lightning then validates after this batch
             every = trainer.check_val_every_n_epoch
@@ -167,8 +171,10 @@ class CompressionReport(Callback):
         """The lines printed at the end of ``fit``."""
         lines = []
         if self.monitor is not None and self.monitor in result["metrics"]:
-            lines.append(f"{self.monitor} {result['metrics'][self.monitor]:.4f} after {result['steps']} steps "
-                         f"on {result['world_size']} processes ({result['wall_s']:.0f} s)")
+            lines.append(
+                f"{self.monitor} {result['metrics'][self.monitor]:.4f} after {result['steps']} steps "
+                f"on {result['world_size']} processes ({result['wall_s']:.0f} s)"
+            )
         lines.append(
             f"codec {result['codec']}: compression ratio {result['compression_ratio_last']:.1f} at steady state "
             f"(last step), {result['compression_ratio']:.1f} over the run; {result['bytes_sent'] / 1e6:.2f} MB sent by "

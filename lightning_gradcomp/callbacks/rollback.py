@@ -11,12 +11,11 @@ import copy
 import math
 from typing import Any, Protocol, runtime_checkable
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
-
-import lightning.pytorch as pl
 
 __all__ = ["AdjustableCompression", "AccuracyDropRollback"]
 
@@ -131,7 +130,9 @@ class AccuracyDropRollback(Callback):
             )
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         codec = getattr(trainer.strategy, "codec", None)
         scalars = {"gradcomp/rollbacks": float(self.rollbacks)}
         if isinstance(codec, AdjustableCompression):

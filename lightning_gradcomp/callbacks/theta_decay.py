@@ -9,11 +9,10 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
-
-import lightning.pytorch as pl
 
 __all__ = ["ThetaDecay", "SCHEDULES", "theta_at"]
 
@@ -81,11 +80,15 @@ class ThetaDecay(Callback):
             raise ValueError(f"theta_end ({theta_end}) must not exceed theta_start ({theta_start}): theta diminishes")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
-        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1):
+        if total_steps is not None and (
+            isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1
+        ):
             raise ValueError(f"total_steps must be None or an integer >= 1, got {total_steps!r}")
         milestones = tuple(float(m) for m in milestones)
         if not milestones or any(m <= 0 for m in milestones) or list(milestones) != sorted(milestones):
-            raise ValueError(f"milestones must be a non-empty increasing sequence of positive numbers, got {milestones!r}")
+            raise ValueError(
+                f"milestones must be a non-empty increasing sequence of positive numbers, got {milestones!r}"
+            )
         self.theta_start = theta_start
         self.theta_end = float(theta_end)
         self.schedule = schedule
@@ -114,7 +117,9 @@ class ThetaDecay(Callback):
         if self._start is None:
             self._start = float(codec.theta) if self.theta_start is None else float(self.theta_start)
             if self.theta_end > self._start:
-                rank_zero_warn(f"ThetaDecay: theta_end {self.theta_end} is above the codec's theta {self._start}: theta will rise")
+                rank_zero_warn(
+                    f"ThetaDecay: theta_end {self.theta_end} is above the codec's theta {self._start}: theta will rise"
+                )
         if self._total is None:
             total = self.total_steps if self.total_steps is not None else trainer.estimated_stepping_batches
             if not math.isfinite(total):
@@ -122,10 +127,14 @@ class ThetaDecay(Callback):
             self._total = max(1, int(total))
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         codec = self._codec(trainer)
         assert self._start is not None and self._total is not None
-        self.theta = theta_at(trainer.global_step, self._total, self._start, self.theta_end, self.schedule, self.milestones)
+        self.theta = theta_at(
+            trainer.global_step, self._total, self._start, self.theta_end, self.schedule, self.milestones
+        )
         codec.theta = self.theta
         level = getattr(codec, "compression_level", self.theta)
         pl_module.log("gradcomp/theta", float(level), on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)

@@ -161,7 +161,9 @@ class Codec:
         self.dense_layers = _check_dense_layers(dense_layers, self.supports_dense_layers)
         self.momentum = check_fraction("momentum", momentum, low_open=False, high_open=True)
         if self.momentum and not self.supports_momentum:
-            raise ValueError("this codec keeps its own state per bucket and cannot take momentum correction (momentum must be 0)")
+            raise ValueError(
+                "this codec keeps its own state per bucket and cannot take momentum correction (momentum must be 0)"
+            )
         if not (isinstance(weight_decay, (int, float)) and math.isfinite(weight_decay) and weight_decay >= 0):
             raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
         if (nesterov or weight_decay) and not self.momentum:
@@ -380,7 +382,9 @@ def check_run_steps(name: str, value: int | float) -> int | float:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an integer >= 0 (steps) or a float in (0, 1) (a fraction of the run), got {value!r}")
+        raise ValueError(
+            f"{name} must be an integer >= 0 (steps) or a float in (0, 1) (a fraction of the run), got {value!r}"
+        )
     return value
 
 
@@ -400,7 +404,9 @@ def run_steps(value: int | float, total_steps: int | None, cap: int) -> int:
 AUTO_DENSE_MAX_SHARE = 0.05
 
 
-def weight_layer_ends(named_parameters: Sequence[tuple[str, Tensor]], max_share: float = AUTO_DENSE_MAX_SHARE) -> set[str]:
+def weight_layer_ends(
+    named_parameters: Sequence[tuple[str, Tensor]], max_share: float = AUTO_DENSE_MAX_SHARE
+) -> set[str]:
     """Names of the parameters of the first and the last weight layer: the modules (name prefixes)
     that hold the first and the last parameter with two or more dimensions, each only when its
     parameters are at most ``max_share`` of all the given parameters."""

@@ -168,7 +168,11 @@ class FFTCodec(Codec):
         nb = -(-numel // B)
         C = B // 2 + 1
         theta = self.effective_theta
-        K = nb * max(1, C - math.floor(theta * C)) if self.selection == "block" else max(1, nb * C - math.floor(theta * nb * C))
+        K = (
+            nb * max(1, C - math.floor(theta * C))
+            if self.selection == "block"
+            else max(1, nb * C - math.floor(theta * nb * C))
+        )
         if K == nb * C:
             mode = "none"
         elif self.positions != "auto":

@@ -40,7 +40,9 @@ class FP16Codec(Codec):
         if x.numel() and float(x.abs().max()) / w > 65504.0:
             return float("inf")
         # 2^-22: the fp32 division and multiplication around the cast
-        per = torch.maximum(x.double().abs() * (2.0**-11 + 2.0**-22), torch.full_like(x, 2.0**-25 * w, dtype=torch.float64))
+        per = torch.maximum(
+            x.double().abs() * (2.0**-11 + 2.0**-22), torch.full_like(x, 2.0**-25 * w, dtype=torch.float64)
+        )
         return float(per.norm())
 
     def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:

@@ -257,7 +257,9 @@ class GradiVeQCodec(Codec):
         self.center = bool(center)
         check_positive_int("quant_levels", quant_levels, allow_zero=True)
         if 2 * quant_levels + 1 > 2**_EXACT_BITS // 2:
-            raise ValueError(f"quant_levels must be in [0, {2 ** (_EXACT_BITS - 2) - 1}] (0 = no quantization), got {quant_levels}")
+            raise ValueError(
+                f"quant_levels must be in [0, {2 ** (_EXACT_BITS - 2) - 1}] (0 = no quantization), got {quant_levels}"
+            )
         self.quant_levels = int(quant_levels)
         self.seed = int(seed)
         self.configure(warmup_steps=warmup_steps, refresh_every=refresh_every, refresh_window=refresh_window)
@@ -286,12 +288,16 @@ class GradiVeQCodec(Codec):
         self.__dict__.update(state)
         self._sample_lock = threading.Lock()
 
-    def configure(self, *, warmup_steps: int | None = None, refresh_every: int | None = None, refresh_window: int | None = None) -> None:
+    def configure(
+        self, *, warmup_steps: int | None = None, refresh_every: int | None = None, refresh_window: int | None = None
+    ) -> None:
         """Set the schedule (used by :class:`~lightning_gradcomp.callbacks.PCAWarmup`), validated."""
         if warmup_steps is not None:
             warmup_steps = check_run_steps("warmup_steps", warmup_steps)
             if warmup_steps == 0:
-                raise ValueError("warmup_steps must be >= 1 (the first basis is fitted on it), or a fraction of the run")
+                raise ValueError(
+                    "warmup_steps must be >= 1 (the first basis is fitted on it), or a fraction of the run"
+                )
             self.warmup_steps = warmup_steps
         if refresh_every is not None:
             self.refresh_every = check_positive_int("refresh_every", refresh_every, allow_zero=True)
@@ -636,7 +642,9 @@ class GradiVeQCodec(Codec):
         if not state:
             return
         if int(state["slice_dim"]) != self.slice_dim:
-            raise ValueError(f"checkpoint bases have slice_dim={state['slice_dim']}, this codec has slice_dim={self.slice_dim}")
+            raise ValueError(
+                f"checkpoint bases have slice_dim={state['slice_dim']}, this codec has slice_dim={self.slice_dim}"
+            )
         self._bases = {k: v.to(torch.float64).cpu() for k, v in state["bases"].items()}
         self._means = {k: v.to(torch.float64).cpu() for k, v in state["means"].items()}
         self._ev = {k: v.to(torch.float64).cpu() for k, v in state["explained_variance"].items()}

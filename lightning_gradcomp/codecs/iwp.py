@@ -29,8 +29,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gradcomp.codecs.base import Codec, CodecContext, DensityWarmup, EncodeResult, check_choice, check_fraction
-from lightning_gradcomp.codecs.positions import ENCODINGS, choose_encoding, decode_positions, encode_positions, encoded_nbytes
+from lightning_gradcomp.codecs.base import (
+    Codec,
+    CodecContext,
+    DensityWarmup,
+    EncodeResult,
+    check_choice,
+    check_fraction,
+)
+from lightning_gradcomp.codecs.positions import (
+    ENCODINGS,
+    choose_encoding,
+    decode_positions,
+    encode_positions,
+    encoded_nbytes,
+)
 from lightning_gradcomp.codecs.sampling import select_top
 from lightning_gradcomp.registry import register_codec
 

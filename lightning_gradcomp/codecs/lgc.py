@@ -385,7 +385,9 @@ class LGCCodec(Codec):
         off_b, off_s, off_z = 4 * (2 * n_scales + n_lat), 0, 0
         if step != self._ae_count_step:  # counted over the buckets of one step
             self._ae_layers_used, self._ae_count_step = (0, 0), step
-        for i, ((key, _, _), k, a, nl, e, b, n) in enumerate(zip(layers, sizes, use_ae, lat, encodings, code_bytes, numels)):
+        for i, ((key, _, _), k, a, nl, e, b, n) in enumerate(
+            zip(layers, sizes, use_ae, lat, encodings, code_bytes, numels)
+        ):
             idx = supports[i]
             if idx is None:
                 idx = decode_positions(msg[off_b : off_b + b], k, n, e)
@@ -568,7 +570,9 @@ class LGCCodec(Codec):
         ae.requires_grad_(False)
         return last, self._recon_error(val, device)
 
-    def _normalized(self, batch: list[tuple[str, int, int, int, Tensor]], device: torch.device) -> tuple[Tensor, Tensor]:
+    def _normalized(
+        self, batch: list[tuple[str, int, int, int, Tensor]], device: torch.device
+    ) -> tuple[Tensor, Tensor]:
         v = torch.stack([b[4] for b in batch]).to(device)  # (B, N, K)
         lead = torch.tensor([b[2] for b in batch], device=device)
         s = v[torch.arange(len(batch), device=device), lead].pow(2).mean(-1).sqrt().clamp_min(1e-30)

@@ -45,7 +45,16 @@ from lightning_gradcomp.codecs.bits import pack_bits, packed_nbytes, unpack_bits
 from lightning_gradcomp.codecs.qsgd import seeded_generator
 from lightning_gradcomp.registry import register_codec
 
-__all__ = ["RangeFloat", "rf_quantize", "rf_dequantize", "pack_codes", "unpack_codes", "codes_nbytes", "RangeFloatCodec", "ROUNDINGS"]
+__all__ = [
+    "RangeFloat",
+    "rf_quantize",
+    "rf_dequantize",
+    "pack_codes",
+    "unpack_codes",
+    "codes_nbytes",
+    "RangeFloatCodec",
+    "ROUNDINGS",
+]
 
 ROUNDINGS = ("nearest", "stochastic")
 _MIN_BIAS = -126  # keeps 2^-b and 2^b normal fp32 numbers
@@ -245,7 +254,9 @@ class RangeFloat:
         for name in ("exponent_bits", "max_exponent_bits"):
             val = getattr(self, name)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or not 1 <= val <= self.bits - 2):
-                raise ValueError(f"{name} must be None or an integer in [1, {self.bits - 2}] for bits={self.bits}, got {val!r}")
+                raise ValueError(
+                    f"{name} must be None or an integer in [1, {self.bits - 2}] for bits={self.bits}, got {val!r}"
+                )
         check_choice("rounding", self.rounding, ROUNDINGS)
 
     @property

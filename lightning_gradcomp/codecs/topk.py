@@ -60,7 +60,11 @@ class TopKCodec(Codec):
 
     def k_for(self, numel: int, step: int | None = None) -> int:
         """Entries kept of a layer of ``numel`` at ``step`` (``None``: after any warm-up)."""
-        ratio = self.ratio if step is None else self._density.fraction(self.ratio, step, self.start_step, self.run_total_steps)
+        ratio = (
+            self.ratio
+            if step is None
+            else self._density.fraction(self.ratio, step, self.start_step, self.run_total_steps)
+        )
         return max(1, min(numel, math.ceil(ratio * numel)))
 
     def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
