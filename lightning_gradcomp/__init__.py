@@ -5,7 +5,7 @@
 """
 
 from lightning_gradcomp.api import make_comm_hook
-from lightning_gradcomp.codecs.base import Codec, CodecContext, EncodeResult
+from lightning_gradcomp.codecs.base import Codec, CodecContext, CodecOptions, EncodeResult
 from lightning_gradcomp.hook import CodecHookState, codec_hook
 from lightning_gradcomp.registry import available_codecs, make_codec, register_codec
 from lightning_gradcomp.strategy import CompressedDDPStrategy
@@ -19,6 +19,7 @@ __all__ = [
     "register_codec",
     "make_comm_hook",
     "Codec",
+    "CodecOptions",
     "CodecContext",
     "EncodeResult",
     "CodecHookState",

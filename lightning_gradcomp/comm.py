@@ -13,6 +13,7 @@ same (fixed) shapes and dtypes without any metadata on the wire.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Sequence
 
 import torch
@@ -28,6 +29,11 @@ __all__ = [
     "allgather_async",
     "wire_bytes",
     "completed_future",
+    "broadcast",
+    "all_reduce",
+    "digest",
+    "agree",
+    "gather_rank_states",
 ]
 
 _ALIGN = 8
@@ -118,3 +124,86 @@ def wire_bytes(collective: str, payload_bytes: int, world_size: int) -> float:
     if collective == "broadcast":
         return float(payload_bytes)
     raise ValueError(f"unknown collective {collective!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# blocking collectives of the hook body and of step-end work, in the codec's process group
+def _global(src: int, group: dist.ProcessGroup | None) -> int:
+    """``dist.broadcast`` takes a global rank; codecs speak in ranks of their group."""
+    return src if group is None else dist.get_global_rank(group, src)
+
+
+def broadcast(t: Tensor, src: int, group: dist.ProcessGroup | None, world_size: int) -> Tensor:
+    """Broadcast ``t`` in place from rank ``src`` of ``group``; a no-op on one rank."""
+    if world_size > 1:
+        dist.broadcast(t, src=_global(src, group), group=group)
+    return t
+
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def all_reduce(t: Tensor, op: str, group: dist.ProcessGroup | None, world_size: int) -> Tensor:
+    """Reduce ``t`` in place over ``group`` (``op``: "sum" or "max"); a no-op on one rank."""
+    if world_size > 1:
+        dist.all_reduce(t, op=_OPS[op], group=group)
+    return t
+
+
+def digest(*parts: bytes | str | Tensor) -> int:
+    """A 62-bit SHA-256 digest of strings, bytes and tensors (their dtype, shape and bytes): small
+    enough for an int64 tensor, the same on every rank for the same inputs."""
+    h = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, Tensor):
+            t = part.detach().contiguous().cpu()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(part.encode() if isinstance(part, str) else part)
+    return int.from_bytes(h.digest()[:8], "little") >> 2
+
+
+def agree(value: int, what: str, group: dist.ProcessGroup | None, device: torch.device, world_size: int) -> None:
+    """Raise on every rank unless every rank of ``group`` holds the same ``value`` (a digest).
+
+    The message names ``what`` and which ranks (of the group) share each value. It costs one
+    all-gather of 8 bytes a rank.
+    """
+    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine, group=group)
+    values = [int(v.item()) for v in every]
+    if len(set(values)) > 1:
+        groups: dict[int, list[int]] = {}
+        for r, v in enumerate(values):
+            groups.setdefault(v, []).append(r)
+        raise RuntimeError(f"{what}: " + "; ".join(f"ranks {rs} agree" for rs in groups.values()))
+
+
+def gather_rank_states(
+    local: dict[str, Tensor], device: torch.device, group: dist.ProcessGroup | None = None
+) -> list[dict[str, Tensor]]:
+    """All-gather each rank's tensors (same names, shapes and dtypes on every rank) without pickle.
+
+    Returns one dict a rank of ``group``, on the CPU.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [{k: v.detach().cpu().clone() for k, v in local.items()}]
+    names = sorted(local)
+    world = dist.get_world_size(group)
+    agree(
+        digest(repr([(n, tuple(local[n].shape), str(local[n].dtype)) for n in names])),
+        "ranks hold different sets of codec state tensors, so the checkpoint would be inconsistent "
+        "(this points to ranks that compressed different layers)",
+        group,
+        device,
+        world,
+    )
+    packed, layout = pack([local[n].to(device) for n in names], device)
+    out = torch.empty(world * packed.numel(), dtype=torch.uint8, device=device)
+    all_gather_flat(out, packed, group=group)
+    rows = out.view(world, -1).cpu()
+    return [dict(zip(names, (t.clone() for t in unpack(rows[r].clone(), layout)))) for r in range(world)]

@@ -13,6 +13,8 @@ becomes current only when the step's collective confirmed that no rank saw a non
 from __future__ import annotations
 
 import threading
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 from torch import Tensor
@@ -24,13 +26,35 @@ class ResidualMemory:
     """Per-parameter residuals of one rank."""
 
     def __init__(self) -> None:
-        self.residuals: dict[str, Tensor] = {}
+        self._current: dict[str, Tensor] = {}
         self._pending: dict[str, Tensor] = {}
         self._lock = threading.Lock()  # decode callbacks of different buckets run on comm threads
 
+    @property
+    def residuals(self) -> Mapping[str, Tensor]:
+        """The current residuals, read-only (change them with :meth:`set` or :meth:`load_state_dict`)."""
+        return MappingProxyType(self._current)
+
+    def get(self, key: str) -> Tensor | None:
+        with self._lock:
+            return self._current.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._current
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._current)
+
+    def set(self, key: str, residual: Tensor) -> None:
+        """Make ``residual`` the current residual of ``key`` (tests, tools; the hook stages and commits)."""
+        with self._lock:
+            self._current[key] = residual
+
     def compensate(self, key: str, x: Tensor) -> Tensor:
         """Return ``x + e`` for the parameter ``key`` (``x`` itself when there is no residual yet)."""
-        r = self.residuals.get(key)
+        r = self.get(key)
         if r is None:
             return x
         if r.shape != x.shape or r.device != x.device:
@@ -50,7 +74,7 @@ class ResidualMemory:
             for k in keys:
                 r = self._pending.pop(k, None)
                 if r is not None:
-                    self.residuals[k] = r
+                    self._current[k] = r
 
     def mask_pending(self, key: str, keep: Tensor) -> None:
         """Multiply the staged tensor of ``key`` by ``keep`` (momentum factor masking)."""
@@ -62,7 +86,7 @@ class ResidualMemory:
     def scale(self, key: str, factor: float) -> None:
         """Multiply the current residual of ``key`` (if any) by ``factor``, in place."""
         with self._lock:
-            r = self.residuals.get(key)
+            r = self._current.get(key)
             if r is not None:
                 r.mul_(factor)
 
@@ -70,7 +94,7 @@ class ResidualMemory:
         """Forget the current residuals of ``keys`` (they were sent in full)."""
         with self._lock:
             for k in keys:
-                self.residuals.pop(k, None)
+                self._current.pop(k, None)
 
     def discard(self, keys: list[str]) -> None:
         with self._lock:
@@ -79,7 +103,7 @@ class ResidualMemory:
 
     def reset(self) -> None:
         with self._lock:
-            self.residuals.clear()
+            self._current.clear()
             self._pending.clear()
 
     def norm(self) -> float:
@@ -91,4 +115,4 @@ class ResidualMemory:
     def load_state_dict(self, state: dict[str, Tensor], device: torch.device | None = None) -> None:
         self.reset()
         for k, v in state.items():
-            self.residuals[k] = v.to(device) if device is not None else v.clone()
+            self._current[k] = v.to(device) if device is not None else v.clone()

@@ -6,11 +6,12 @@ Built-in codecs are imported lazily (a codec module may pull in heavier code), s
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 from typing import Any, Callable, TypeVar
 
-from lightning_gradcomp.codecs.base import Codec
+from lightning_gradcomp.codecs.base import COLLECTIVES, Codec, CodecOptions, HarnessOptions
 
 __all__ = ["register_codec", "make_codec", "available_codecs", "codec_class"]
 
@@ -39,12 +40,26 @@ def register_codec(name: str) -> Callable[[C], C]:
     def deco(cls: C) -> C:
         if not (isinstance(cls, type) and issubclass(cls, Codec)):
             raise TypeError(f"register_codec({name!r}) expects a Codec subclass, got {cls!r}")
+        _check_options_class(name, cls)
         cls.name = name
         if name not in _BUILTIN or _BUILTIN[name] != f"{cls.__module__}:{cls.__qualname__}":
             _USER[name] = cls
         return cls
 
     return deco
+
+
+def _check_options_class(name: str, cls: type[Codec]) -> None:
+    opts = cls.Options
+    if not (isinstance(opts, type) and issubclass(opts, CodecOptions) and dataclasses.is_dataclass(opts)):
+        raise TypeError(f"codec {name!r}: Options must be a CodecOptions dataclass, got {opts!r}")
+    if not opts.__dataclass_params__.frozen:
+        raise TypeError(f"codec {name!r}: Options must be a frozen dataclass (@dataclass(frozen=True))")
+    clash = {f.name for f in dataclasses.fields(opts)} & {f.name for f in dataclasses.fields(HarnessOptions)}
+    if clash:
+        raise TypeError(f"codec {name!r}: options {sorted(clash)} are harness options; use harness_defaults")
+    if cls.collective not in COLLECTIVES:
+        raise TypeError(f"codec {name!r}: collective must be one of {list(COLLECTIVES)}, got {cls.collective!r}")
 
 
 def _builtin_present(name: str) -> bool:
@@ -74,13 +89,4 @@ def make_codec(name: str, **options: Any) -> Codec:
     Raises:
         ValueError: for an unknown name (the message lists the valid ones) or an invalid option.
     """
-    cls = codec_class(name)
-    try:
-        return cls(**options)
-    except TypeError as err:  # an option the codec does not take: list the ones it does
-        import inspect
-
-        params = [
-            p for c in (cls, Codec) for p in inspect.signature(c.__init__).parameters if p not in ("self", "kwargs")
-        ]
-        raise ValueError(f"invalid option for codec {name!r}: {err}. Valid options: {', '.join(params)}") from None
+    return codec_class(name)(**options)

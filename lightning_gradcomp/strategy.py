@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from datetime import timedelta
 from typing import Any, Callable
@@ -16,13 +15,14 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_gradcomp.codecs.base import Codec
-from lightning_gradcomp.comm import all_gather_flat, pack, unpack
+from lightning_gradcomp.codecs.base import Codec, MultiRound
+from lightning_gradcomp.comm import gather_rank_states
 from lightning_gradcomp.hook import (
     NONFINITE_POLICIES,
     CodecHookState,
     check_codec_consistency,
     codec_hook,
+    group_device,
     make_context,
 )
 from lightning_gradcomp.registry import make_codec
@@ -153,7 +153,7 @@ class CompressedDDPStrategy(DDPStrategy):
         is a measured loss of accuracy the user should know of.
         """
         codec = self.codec
-        if not (codec.sparse_local and codec.error_feedback):
+        if not (codec.sparse_local and codec.harness.error_feedback):
             return
         adaptive = sorted({type(opt).__name__ for opt in self.optimizers for g in opt.param_groups if _is_adaptive(g)})
         if adaptive:
@@ -168,7 +168,8 @@ class CompressedDDPStrategy(DDPStrategy):
         """With momentum correction the codec owns momentum (and weight decay): an optimizer that
         adds its own would apply them twice, so refuse it before the first step."""
         codec = self.codec
-        if not codec.momentum:
+        momentum, weight_decay = codec.harness.momentum, codec.harness.weight_decay
+        if not momentum:
             return
         if getattr(self.precision_plugin, "scaler", None) is not None:
             # the bucket then holds gradients times the loss scale, which changes during the run:
@@ -181,18 +182,18 @@ class CompressedDDPStrategy(DDPStrategy):
             for group in opt.param_groups:
                 if _is_adaptive(group):
                     raise ValueError(
-                        f"the codec applies momentum correction (momentum={codec.momentum}), which is SGD momentum "
+                        f"the codec applies momentum correction (momentum={momentum}), which is SGD momentum "
                         f"moved into the codec; {type(opt).__name__} keeps its own moment estimates (betas="
                         f"{group['betas']}) and would apply momentum twice. Use torch.optim.SGD(params, lr, "
                         "momentum=0), or momentum=0 in the codec."
                     )
-                if group.get("momentum", 0) or (codec.weight_decay and group.get("weight_decay", 0)):
+                if group.get("momentum", 0) or (weight_decay and group.get("weight_decay", 0)):
                     raise ValueError(
-                        f"the codec applies momentum correction (momentum={codec.momentum}"
-                        f"{f', weight_decay={codec.weight_decay}' if codec.weight_decay else ''}), so the optimizer "
+                        f"the codec applies momentum correction (momentum={momentum}"
+                        f"{f', weight_decay={weight_decay}' if weight_decay else ''}), so the optimizer "
                         f"must not add its own: {type(opt).__name__} has momentum={group.get('momentum', 0)}, "
                         f"weight_decay={group.get('weight_decay', 0)}. Use torch.optim.SGD(params, lr, momentum=0"
-                        f"{', weight_decay=0' if codec.weight_decay else ''}) and give them to the codec."
+                        f"{', weight_decay=0' if weight_decay else ''}) and give them to the codec."
                     )
 
     @override
@@ -227,7 +228,7 @@ class CompressedDDPStrategy(DDPStrategy):
         if self._pending_checkpoint is not None:
             self._apply_checkpoint(state, self._pending_checkpoint)
             self._pending_checkpoint = None
-        if state.step > 0 and getattr(self.codec, "bucket_keyed_state", False):
+        if state.step > 0 and isinstance(self.codec, MultiRound) and self.codec.bucket_keyed_state:
             # this DDP wrapper will rebuild its buckets again: bucket-keyed state must wait
             state.first_compress_step = state.step + state.first_compress_step
         self.hook_state = state
@@ -251,7 +252,7 @@ class CompressedDDPStrategy(DDPStrategy):
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         super().pre_backward(closure_loss)
         state = self.hook_state
-        if state is not None and getattr(state.codec, "lr_scaled_feedback", False):
+        if state is not None and state.codec.harness.lr_scaled_feedback:
             # before the backward whose hook adds the residuals, in automatic and manual
             # optimization alike; again for every accumulated micro-batch, which changes nothing
             rates: dict[str, float] = {}
@@ -311,15 +312,11 @@ class CompressedDDPStrategy(DDPStrategy):
         """
         state = self.hook_state
         assert state is not None
-        local: dict[str, torch.Tensor] = {f"residual.{k}": v for k, v in state.memory.state_dict().items()}
-        local.update({f"momentum.{k}": v for k, v in state.momentum_buffers.state_dict().items()})
-        local.update({f"codec.{k}": v for k, v in self.codec.rank_state_dict().items()})
-        local["stats.totals"] = state.stats.totals_tensor()
-        ranks = _gather_rank_states(local, self.root_device)
+        ranks = gather_rank_states(state.rank_state_dict(), group_device(state.process_group), state.process_group)
         return {
             "version": _CHECKPOINT_VERSION,
             "codec": self.codec.name,
-            "options": self.codec.options(),
+            "options": self.codec.config(),
             "world_size": len(ranks),
             "shared": state.state_dict(),
             "ranks": ranks,
@@ -341,14 +338,7 @@ class CompressedDDPStrategy(DDPStrategy):
                 "state (bases, learned weights, schedules, step) is restored"
             )
             return
-        mine = saved["ranks"][dist.get_rank() if dist.is_initialized() else 0]
-        residuals = {k[len("residual.") :]: v for k, v in mine.items() if k.startswith("residual.")}
-        state.memory.load_state_dict(residuals, device=self.root_device)
-        momentum = {k[len("momentum.") :]: v for k, v in mine.items() if k.startswith("momentum.")}
-        state.momentum_buffers.load_state_dict(momentum, device=self.root_device)
-        self.codec.load_rank_state_dict({k[len("codec.") :]: v for k, v in mine.items() if k.startswith("codec.")})
-        if "stats.totals" in mine:  # absent from checkpoints written before the totals were kept
-            state.stats.load_totals_tensor(mine["stats.totals"])
+        state.load_rank_state_dict(saved["ranks"][dist.get_rank() if dist.is_initialized() else 0], self.root_device)
 
     @classmethod
     @override
@@ -381,34 +371,6 @@ def _learning_rates(optimizer: Any, param_names: dict[int, str]) -> dict[str, fl
             if name is not None:
                 rates[name] = lr
     return rates
-
-
-def _gather_rank_states(local: dict[str, torch.Tensor], device: torch.device) -> list[dict[str, torch.Tensor]]:
-    """All-gather each rank's tensors (same names, shapes and dtypes on every rank) without pickle."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [{k: v.detach().cpu().clone() for k, v in local.items()}]
-    names = sorted(local)
-    signature = repr([(n, tuple(local[n].shape), str(local[n].dtype)) for n in names]).encode()
-    digest = int.from_bytes(hashlib.sha256(signature).digest()[:8], "little") >> 2
-    comm_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    world = dist.get_world_size()
-    mine = torch.tensor([digest], dtype=torch.int64, device=comm_device)
-    digests = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(digests, mine)
-    if len({int(d) for d in digests}) != 1:
-        raise RuntimeError(
-            "ranks hold different sets of codec state tensors, so the checkpoint would be inconsistent; "
-            "this points to ranks that compressed different layers"
-        )
-    packed, layout = pack([local[n].to(comm_device) for n in names], comm_device)
-    out = torch.empty(world * packed.numel(), dtype=torch.uint8, device=comm_device)
-    all_gather_flat(out, packed)
-    rows = out.view(world, -1).cpu()
-    result = []
-    for r in range(world):
-        tensors = unpack(rows[r].clone(), layout)
-        result.append({n: t.clone() for n, t in zip(names, tensors)})
-    return result
 
 
 if "compressed_ddp" not in StrategyRegistry:

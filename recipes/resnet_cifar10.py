@@ -269,8 +269,8 @@ class CIFAR10Classifier(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         codec = getattr(self.trainer.strategy, "codec", None)
-        if codec is not None and codec.momentum:
-            wd = 0.0 if codec.weight_decay else self.hparams.weight_decay
+        if codec is not None and codec.harness.momentum:
+            wd = 0.0 if codec.harness.weight_decay else self.hparams.weight_decay
             opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, weight_decay=wd)
         else:
             opt = torch.optim.SGD(

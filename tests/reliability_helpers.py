@@ -7,7 +7,6 @@ Not collected by pytest (no ``test_`` prefix); imported by the test modules and 
 
 from __future__ import annotations
 
-import inspect
 import io
 import math
 import os
@@ -23,17 +22,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradcomp import CompressedDDPStrategy
 
-# Options that shorten a codec's warm-up or stages, passed only to codecs whose constructor takes
-# them (checked with inspect.signature), so a run of a few dozen steps reaches compression.
+# Options that shorten a codec's warm-up or stages, passed only to codecs that declare them
+# (registry.option_names), so a run of a few dozen steps reaches compression.
 SHORT_WARMUP: dict[str, Any] = {
     "start_step": 2,
     "warmup_steps": 3,
-    "pca_steps": 3,
-    "fit_steps": 3,
-    "stage1_steps": 3,
-    "stage2_steps": 3,
-    "ae_steps": 3,
-    "ae_warmup_steps": 3,
     "ae_train_steps": 3,
     "min_numel": 256,  # the test model's layers have 1024 and 4096 weights: compress both
 }
@@ -41,15 +34,12 @@ SHORT_WARMUP: dict[str, Any] = {
 
 def short_options(name: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The subset of :data:`SHORT_WARMUP` (plus ``extra``) that codec ``name`` accepts."""
-    from lightning_gradcomp.codecs.base import Codec
+    from lightning_gradcomp.codecs.base import option_names
     from lightning_gradcomp.registry import codec_class
 
     cls = codec_class(name)
-    own = set(inspect.signature(cls.__init__).parameters)
-    accepted = set(own)
-    if "kwargs" in own:
-        accepted |= set(inspect.signature(Codec.__init__).parameters)
-    if "warmup_steps" in own:  # the codec's own warm-up schedule replaces the common start_step
+    accepted = set(option_names(cls))
+    if "warmup_steps" in accepted:  # the codec's own warm-up schedule replaces the common start_step
         accepted.discard("start_step")
     wanted = dict(SHORT_WARMUP)
     wanted.update(extra or {})
@@ -156,7 +146,7 @@ class Recorder(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         st = trainer.strategy.hook_state
-        codec = trainer.strategy.codec
+        codec_rank = {k: v for k, v in st.rank_state_dict().items() if k.startswith("codec.")}
         self.rows.append(
             {
                 "global_step": trainer.global_step,
@@ -165,7 +155,7 @@ class Recorder(Callback):
                 "weights": flat_params(pl_module),
                 "residuals": st.memory.state_dict(),
                 "nonfinite_steps": st.nonfinite_steps,
-                "codec_state": {**_tensors(codec.state_dict(), "shared"), **_tensors(codec.rank_state_dict(), "rank")},
+                "codec_state": {**_tensors(st.state_dict()["codec"], "shared"), **_tensors(codec_rank, "rank")},
             }
         )
 
@@ -243,6 +233,7 @@ def _fit(rank: int, world: int, run: dict[str, Any]) -> dict[str, Any]:
     out["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     st = strategy.hook_state
     out["hook_step"] = None if st is None else st.step
+    out["fallback"] = None if st is None else {**st.fallback.state_dict(), "enabled": st.fallback.enabled}
     out["final"] = flat_params(model)
     return out
 

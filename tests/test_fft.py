@@ -10,7 +10,7 @@ from dist_utils import run_gloo
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gradcomp import make_codec, make_comm_hook
-from lightning_gradcomp.callbacks.rollback import AdjustableCompression
+from lightning_gradcomp.codecs.base import AdjustableCompression
 from lightning_gradcomp.codecs.fft import FFTCodec
 
 
@@ -105,7 +105,7 @@ def test_messages_have_a_fixed_size_and_the_stated_ratio():
     assert nbytes == codec.payload_nbytes(100_000) + 8  # + the range header
     # 98 blocks: 52 kept coefficients (104 bytes) + a 513-bit bitmap (65 bytes) per 4 KiB block
     assert 22 < 400_000 / nbytes < 25
-    codec.theta = 0.99
+    codec.set_level(0.99)
     enc = codec.encode(grad_like(100_000), "w", None, 5)
     assert enc.ctx[2:] == (98 * 6, "indices") and 400_000 / sum(p.numel() * p.element_size() for p in enc.payload) > 150
 
@@ -122,7 +122,7 @@ def test_theta_is_a_live_knob_capped_by_the_compression_limit():
     codec = make_codec("fft", theta=0.9)
     assert isinstance(codec, AdjustableCompression)
     assert not isinstance(make_codec("rangefloat"), AdjustableCompression)
-    codec.theta = 0.5
+    codec.set_level(0.5)
     assert codec.layout(4096)[2] == 1025  # one block of 2049 coefficients
     codec.compression_limit = 0.3
     assert codec.compression_level == 0.3 and codec.layout(4096)[2] == 2049 - int(0.3 * 2049)

@@ -10,8 +10,9 @@ from dist_utils import run_gloo
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gradcomp import make_comm_hook
-from lightning_gradcomp.codecs.base import CodecContext
+from lightning_gradcomp.codecs.base import CodecContext, RoundContext
 from lightning_gradcomp.codecs.gradiveq import GradiVeQCodec, fit_pca
+from lightning_gradcomp.hook.encode import local_reconstruction
 from lightning_gradcomp.registry import make_codec
 
 
@@ -127,7 +128,7 @@ def test_schedule_windows_and_refits():
     assert codec.fits == 2 and codec.state_dict()["last_fit_step"] == 8
 
 
-def test_bounded_sample():
+def test_pca_sample_stays_within_max_samples():
     codec = make_codec(
         "gradiveq",
         basis_source="aggregate",
@@ -171,9 +172,9 @@ def test_decode_is_the_projection_and_is_idempotent(center):
     enc = codec.encode(x, "w", None, 5)
     assert enc.payload[0].numel() == 30 * 3 and enc.payload[1].numel() == 0
     expect = ((x.double().view(30, 8) - mu) @ u @ u.T + mu).reshape(-1).float()
-    local = codec.decode_local(enc, x.numel())
+    local = local_reconstruction(codec, enc, x.numel())
     torch.testing.assert_close(local, expect, atol=1e-5, rtol=0)
-    again = codec.decode_local(codec.encode(local, "w", None, 6), x.numel())
+    again = local_reconstruction(codec, codec.encode(local, "w", None, 6), x.numel())
     torch.testing.assert_close(again, local, atol=1e-5, rtol=0)
 
 
@@ -195,7 +196,7 @@ def test_packed_quantized_levels_sum_exactly_and_are_unbiased():
     total = codec.decode(summed, encs[0].ctx, xs[0].numel(), world)
     n = xs[0].numel()
     torch.testing.assert_close(
-        total, codec.decode_local(encs[0], n) + codec.decode_local(encs[1], n), atol=1e-5, rtol=0
+        total, local_reconstruction(codec, encs[0], n) + local_reconstruction(codec, encs[1], n), atol=1e-5, rtol=0
     )
     # unbiased: averaging many independently rounded encodings approaches the exact projection
     exact = codec._coefficients(xs[0], "w").reshape(-1)
@@ -215,7 +216,7 @@ def test_state_dict_round_trip_through_weights_only_load():
     torch.save(codec.state_dict(), buf)
     buf.seek(0)
     state = torch.load(buf, weights_only=True)
-    fresh = make_codec("gradiveq", **{k: v for k, v in codec.options().items()})
+    fresh = make_codec("gradiveq", **{k: v for k, v in codec.config().items()})
     fresh.setup(CodecContext(0, 1, torch.device("cpu")))
     assert not fresh.fitted
     fresh.load_state_dict(state)
@@ -282,11 +283,11 @@ def ddp_run(rank: int, world: int, steps: int, **opts):
                     every[r][n] = parts[r]
             decoded = {}
             for n, v in mine.items():
-                if v.numel() < codec.min_numel:
+                if v.numel() < codec.harness.min_numel:
                     continue
-                if codec.quant_levels:
-                    codec.prepare_bucket([(n, v, None)], step)  # the same shared scale as the hook's
-                decoded[n] = codec.decode_local(codec.encode(v, n, None, step), v.numel())
+                if codec.options.quant_levels:  # the same shared scale as the hook's
+                    codec.prepare_bucket([(n, v, None)], RoundContext(step, codec.context))
+                decoded[n] = local_reconstruction(codec, codec.encode(v, n, None, step), v.numel())
                 parts = [torch.zeros_like(v) for _ in range(world)]
                 dist.all_gather(parts, decoded[n])
                 decoded[n] = sum(parts) / world
@@ -512,14 +513,15 @@ def test_leader_basis_is_never_fitted_on_a_non_finite_gradient():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(64 * 40, generator=gen)
     param = torch.zeros_like(x)
-    codec.prepare_bucket([("w", x, param)], step=2)  # the first fit
+    one = CodecContext(0, 1, torch.device("cpu"))
+    codec.prepare_bucket([("w", x, param)], RoundContext(2, one))  # the first fit
     fitted = codec._u32["w"].clone()
     assert bool(torch.isfinite(fitted).all())
     bad = x.clone()
     bad[5] = float("nan")
     bad[9] = float("inf")
-    codec.prepare_bucket([("w", bad, param)], step=5)  # a refit, due at step 5, on a NaN gradient
+    codec.prepare_bucket([("w", bad, param)], RoundContext(5, one))  # a refit, due at step 5, on a NaN gradient
     assert torch.equal(codec._u32["w"], fitted)  # the previous basis stays
     fresh = GradiVeQCodec(min_numel=0)
-    fresh.prepare_bucket([("w", bad, param)], step=2)  # no basis yet: a finite one, unit vectors
+    fresh.prepare_bucket([("w", bad, param)], RoundContext(2, one))  # no basis yet: a finite one, unit vectors
     assert torch.equal(fresh._u32["w"], torch.eye(64, 4))

@@ -2,14 +2,23 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from dist_utils import run_gloo
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_gradcomp import make_comm_hook
+from lightning_gradcomp import available_codecs, make_comm_hook
 
 CODECS = ["none", "fp16", "topk", "qsgd", "terngrad", "powersgd"]
 STEPS = 6
+# every registered codec, with options that reach its compressing phase within STEPS steps
+SUBGROUP_CODECS = sorted(available_codecs())
+SUBGROUP_OPTIONS = {
+    "gradiveq": {"warmup_steps": 2},
+    "lgc": {"warmup_steps": 2, "ae_train_steps": 2, "ae_width": 4, "ae_epochs": 1, "ae_samples": 3},
+    "iwp": {"keep_fraction": 0.05},
+}
+COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single")
 
 
 def make_model() -> nn.Module:
@@ -17,12 +26,13 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
-def train(rank: int, codec: str | None, **options):
+def train(rank: int, codec: str | None, process_group=None, **options):
     model = make_model()
-    ddp = DDP(model, bucket_cap_mb=0.2)  # several buckets, so bucket order and rebuild matter
+    # several buckets, so bucket order and rebuild matter
+    ddp = DDP(model, bucket_cap_mb=0.2, process_group=process_group)
     state = None
     if codec is not None:
-        state, hook = make_comm_hook(codec, ddp, **options)
+        state, hook = make_comm_hook(codec, ddp, process_group=process_group, **options)
         ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(100 + rank)  # every rank sees different data
@@ -45,6 +55,34 @@ def worker(rank: int, world: int):
     for name in CODECS:
         out[name] = train(rank, name)
     out["topk_10"] = train(rank, "topk", ratio=0.1, stats_every=1)
+    # every codec again, in a group made with new_group: any collective that a codec or the hook
+    # runs outside it (on the default group) is recorded, by name, through wrappers of dist's
+    # collectives, which torch's own PowerSGD hook and our comm module look up at call time
+    sub = dist.new_group([0, 1])
+    strays: list[tuple[str, str]] = []
+    current = [""]
+    originals = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
+
+    def recording(fn_name):
+        def call(*args, **kwargs):
+            if kwargs.get("group") is not sub:
+                strays.append((current[0], fn_name))
+            return originals[fn_name](*args, **kwargs)
+
+        return call
+
+    subgroup = {}
+    for name in SUBGROUP_CODECS:
+        current[0] = name
+        for fn_name in originals:
+            setattr(dist, fn_name, recording(fn_name))
+        try:
+            subgroup[name] = train(rank, name, process_group=sub, **SUBGROUP_OPTIONS.get(name, {}))
+        finally:
+            for fn_name, fn in originals.items():
+                setattr(dist, fn_name, fn)
+    out["subgroup"] = subgroup
+    out["strays"] = strays
     return out
 
 
@@ -88,3 +126,22 @@ def test_topk_wire_bytes_match_the_kept_fraction(runs):
     # 2 ranks: a pair (fp32 value, int32 index) per kept entry = 8 bytes per 10 entries of 4 bytes,
     # plus the uncompressed small layers (biases, < 1024 entries) and one flag per bucket
     assert 4.0 < ratio < 5.0
+
+
+def test_every_codec_keeps_ranks_identical_and_compresses_in_a_subgroup(runs):
+    r0, r1 = runs
+    assert sorted(r0["subgroup"]) == SUBGROUP_CODECS
+    for name in SUBGROUP_CODECS:
+        w0, stats, hook_name, steps = r0["subgroup"][name]
+        assert torch.equal(w0, r1["subgroup"][name][0]), f"{name}: ranks diverged in the subgroup"
+        assert hook_name == "codec_hook" and steps == STEPS, name
+        assert torch.isfinite(w0).all(), name
+        if name != "none":
+            assert stats[-1][3] and stats[-1][0] > 1.5, (name, stats[-1])
+
+
+def test_no_collective_leaves_the_given_process_group(runs):
+    for rank_out in runs:
+        assert rank_out["strays"] == [], "collectives on a group other than the one given: " + str(
+            sorted(set(rank_out["strays"]))
+        )

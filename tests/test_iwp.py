@@ -10,16 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_gradcomp.codecs.iwp import (
-    IWPCodec,
-    choose_encoding,
-    decode_positions,
-    encode_positions,
-    encoded_nbytes,
-    importance,
-    root_rank,
-    select_top,
-)
+from lightning_gradcomp.codecs.iwp import IWPCodec, importance, root_rank
+from lightning_gradcomp.codecs.positions import choose_encoding, decode_positions, encode_positions, encoded_nbytes
+from lightning_gradcomp.codecs.sampling import select_top
 from lightning_gradcomp.comm import wire_bytes
 from lightning_gradcomp.registry import make_codec
 from tests.dist_utils import run_gloo
@@ -47,7 +40,7 @@ def test_codes_round_trip_exactly(case, encoding):
 
 
 @pytest.mark.parametrize("encoding", ["delta", "bitmap"])
-def test_codes_edge_positions(encoding):
+def test_position_codes_round_trip_at_the_edges_of_the_range(encoding):
     n = 1 << 20
     for pos in ([0], [n - 1], [0, n - 1], [0, 1, 2, 3], list(range(n - 70, n, 7))):
         p = torch.tensor(pos)
@@ -127,21 +120,21 @@ def test_root_is_shared_function_of_seed_and_step():
         ({"min_numel": -1}, "min_numel"),
     ],
 )
-def test_bad_options_raise(opts, match):
+def test_invalid_options_name_the_option(opts, match):
     with pytest.raises(ValueError, match=match):
         make_codec("iwp", **opts)
 
 
-def test_single_process_encode_decode():
+def test_single_process_keeps_the_most_important_entries():
     codec = make_codec("iwp", keep_fraction=0.1)
-    assert codec.keep_fraction == 0.1 and codec.error_feedback
+    assert codec.options.keep_fraction == 0.1 and codec.harness.error_feedback
     x = torch.randn(5000)
     w = torch.randn(50, 100)
     enc = codec.encode(x, "w", w, step=3)
     k = math.ceil(0.1 * 5000)
     assert enc.payload[0].numel() == k
     assert torch.equal(enc.local, codec.decode(enc.payload, enc.ctx, 5000, count=1))
-    kept = torch.topk(importance(x, w, codec.eps), k).indices
+    kept = torch.topk(importance(x, w, codec.options.eps), k).indices
     assert torch.equal(enc.local[kept], x[kept]) and int((enc.local != 0).sum()) == k
 
 

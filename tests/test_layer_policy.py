@@ -57,7 +57,7 @@ def test_bad_policies_are_rejected_with_the_choices():
 @pytest.mark.parametrize("name", sorted(set(available_codecs()) - {"powersgd"}))
 def test_every_codec_takes_the_policy(name):
     codec = make_codec(name)
-    assert codec.options()["dense_layers"] == ["auto"]
+    assert codec.config()["dense_layers"] == ["auto"]
     # the first layer is 19 % of this MLP, more than an end layer may be to stay dense
     assert codec.plan_layers(_mlp().named_parameters()) == {"4.weight", "4.bias"}
 

@@ -178,7 +178,7 @@ def _expected_wire(stage: int, variant: str, world: int) -> float:
     return bcast + 4 * sum(lat) + (world - 1) * (8 * sum(inn) + 4 * dense)
 
 
-def test_both_variants_two_ranks():
+def test_both_variants_stage_alike_and_decode_identically_on_two_ranks():
     res = run_gloo(_train_both_variants, world_size=2, timeout=300)
     sizes = [p.numel() for p in _mlp().parameters()]
     for variant in ("rar", "ps"):
@@ -393,12 +393,12 @@ def _guarded_stage3(rank: int, world: int, break_ae: bool) -> dict:
     gen = torch.Generator().manual_seed(11 + rank)
     rows = []
     for step in range(WARMUP + AE_STEPS + 3):
-        if state.codec.ae_trained and break_ae and state.codec.max_recon_error > 1:
+        if state.codec.ae_trained and break_ae and state.codec.options.max_recon_error > 1:
             # the same on both ranks: a code whose output is zero (relative error 1), and a
             # threshold that the guard, not the gate at the switch, now applies
             for p in state.codec.ae.parameters():
                 p.data.zero_()
-            state.codec.max_recon_error = 0.5
+            state.codec.replace_options(max_recon_error=0.5)
         x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()

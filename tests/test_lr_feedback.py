@@ -71,7 +71,7 @@ def test_lr_scaled_residual_keeps_every_update(scaled):
 def test_rescale_arithmetic_zero_rate_and_switch():
     codec = make_codec("topk", lr_scaled_feedback=True)
     state = CodecHookState(codec)
-    state.memory.residuals["w"] = torch.ones(3)
+    state.memory.set("w", torch.ones(3))
     state.rescale_residuals({"w": 0.1})  # first rate seen: nothing to rescale from
     assert torch.equal(state.memory.residuals["w"], torch.ones(3)) and state.residual_lr == {"w": 0.1}
     state.rescale_residuals({"w": 0.05})  # the rate halves: the residual doubles, lr * e is kept
@@ -84,7 +84,7 @@ def test_rescale_arithmetic_zero_rate_and_switch():
     assert fresh.residual_lr == {"w": 0.05}
     # off (the default): the residual is never touched
     plain = CodecHookState(make_codec("topk"))
-    plain.memory.residuals["w"] = torch.ones(3)
+    plain.memory.set("w", torch.ones(3))
     plain.rescale_residuals({"w": 0.1})
     plain.rescale_residuals({"w": 0.01})
     assert torch.equal(plain.memory.residuals["w"], torch.ones(3)) and plain.residual_lr == {}
@@ -108,7 +108,8 @@ def test_strategy_rescales_before_every_backward_with_each_optimizer_rate():
     strategy.hook_state = state
     strategy.pre_backward(torch.tensor(0.0))
     assert state.residual_lr == {"a": 0.1, "b": 0.4}
-    state.memory.residuals.update(a=torch.ones(3), b=torch.ones(3))
+    state.memory.set("a", torch.ones(3))
+    state.memory.set("b", torch.ones(3))
     opt_a.param_groups[0]["lr"], opt_b.param_groups[0]["lr"] = 0.05, 0.4
     strategy.pre_backward(torch.tensor(0.0))
     strategy.pre_backward(torch.tensor(0.0))  # a second micro-batch of the same step: no change

@@ -75,7 +75,15 @@ def test_codec_options_are_part_of_the_config_digest():
     assert make_codec("topk").config_hash() != make_codec("qsgd").config_hash()
 
 
-def test_user_codecs_can_be_registered():
+@pytest.fixture
+def user_registry(monkeypatch):
+    """Codecs a test registers are forgotten after it, so ``available_codecs()`` stays the built-ins."""
+    from lightning_gradcomp import registry
+
+    monkeypatch.setattr(registry, "_USER", dict(registry._USER))
+
+
+def test_user_codecs_can_be_registered(user_registry):
     @gc.register_codec("my_identity")
     class Identity(gc.Codec):
         collective = "allreduce"
@@ -90,7 +98,7 @@ def test_user_codecs_can_be_registered():
     assert isinstance(make_codec("my_identity"), Identity)
 
 
-def test_the_adding_a_codec_example_in_the_docs_works():
+def test_the_adding_a_codec_example_in_the_docs_works(user_registry):
     import re
     from pathlib import Path
 
@@ -99,9 +107,56 @@ def test_the_adding_a_codec_example_in_the_docs_works():
     text = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
     code = re.search(r"## Adding a codec\n\n```python\n(.*?)```", text, re.S).group(1)
     exec(compile(code, "design.md", "exec"), {})
-    codec = make_codec("sign")
+    codec = make_codec("sign", damping=0.5)
+    assert codec.harness.error_feedback and codec.config()["damping"] == 0.5
     codec.setup(gc.CodecContext(0, 1, torch.device("cpu")))
     x = torch.randn(100)
     enc = codec.encode(x, "w", x, 3)
     assert torch.equal(codec.decode(enc.payload, None, 100, 1), enc.local)
     assert torch.equal(enc.local.sign(), x.sign())
+
+
+# What the options of every codec were called before they became declared dataclasses; the only
+# differences are the run-time and derived values that no longer pass for options.
+_OPTION_CHANGES = {
+    ("gradiveq", "num_components"): (4, None),  # None: resolved when used (4, or slice_dim with a variance target)
+    ("iwp", "last_encodings"): ([], "<absent>"),  # introspection of the last bucket, now plain attributes
+    ("iwp", "last_index_bytes"): (0, "<absent>"),
+    ("iwp", "last_root"): (-1, "<absent>"),
+    ("powersgd", "rank"): ("<absent>", 4),  # the option is called rank; rank_r was its stored copy
+    ("powersgd", "rank_r"): (4, "<absent>"),
+    ("qsgd", "bits"): (4, "<absent>"),  # derived from levels: a read-only property now
+}
+
+
+def test_options_keep_their_names_and_defaults():
+    import json
+    from pathlib import Path
+
+    before = json.loads((Path(__file__).parent / "data" / "options_before.json").read_text())
+    assert sorted(before) == available_codecs()
+    changed = {}
+    for name in available_codecs():
+        now = make_codec(name).config()
+        for key in set(before[name]) | set(now):
+            old, new = before[name].get(key, "<absent>"), now.get(key, "<absent>")
+            if old != new:
+                changed[(name, key)] = (old, new)
+    assert changed == _OPTION_CHANGES
+
+
+@pytest.mark.parametrize("name", available_codecs())
+def test_config_round_trips_through_make_codec(name):
+    codec = make_codec(name)
+    again = make_codec(name, **codec.config())
+    assert again.config() == codec.config() and again.config_hash() == codec.config_hash()
+
+
+def test_replace_options_checks_the_new_values():
+    codec = make_codec("topk")
+    codec.replace_options(ratio=0.1)
+    assert codec.options.ratio == 0.1 and codec.config()["ratio"] == 0.1
+    with pytest.raises(ValueError, match="ratio must be in"):
+        codec.replace_options(ratio=2.0)
+    with pytest.raises(ValueError, match="no option 'not_an_option'.*ratio"):
+        codec.replace_options(not_an_option=1)

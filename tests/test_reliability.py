@@ -49,7 +49,7 @@ def nonfinite_results() -> list[list[dict]]:
 
 
 @pytest.mark.parametrize("i", [0, 1, 2], ids=["fp16", "topk", "powersgd"])
-def test_nonfinite_skip(nonfinite_results, i) -> None:
+def test_nonfinite_gradient_skips_the_step_on_every_rank(nonfinite_results, i) -> None:
     ranks = nonfinite_results[i]
     for r, out in enumerate(ranks):
         assert out["error"] is None, out.get("message")
@@ -76,7 +76,7 @@ def test_nonfinite_skip(nonfinite_results, i) -> None:
         )
 
 
-def test_nonfinite_zero(nonfinite_results) -> None:
+def test_nonfinite_zero_steps_with_a_zeroed_gradient(nonfinite_results) -> None:
     for out in nonfinite_results[3]:
         assert out["error"] is None, out.get("message")
         assert float(out["grads"][BAD].abs().max()) == 0.0  # the optimizer stepped with zeros
@@ -87,7 +87,7 @@ def test_nonfinite_zero(nonfinite_results) -> None:
         assert rows[-1]["nonfinite_steps"] == 1
 
 
-def test_nonfinite_raise(nonfinite_results) -> None:
+def test_nonfinite_raise_stops_every_rank_at_the_bad_step(nonfinite_results) -> None:
     for out in nonfinite_results[4]:
         assert out["error"] == "FloatingPointError"
         assert f"step {BAD}" in out["message"]
@@ -335,7 +335,7 @@ def feature_results() -> list[list[dict]]:
 
 
 @pytest.mark.parametrize("i", range(5), ids=["unused-topk", "unused-fp16", "accumulate", "bf16-topk", "bf16-powersgd"])
-def test_features_with_compression(feature_results, i: int) -> None:
+def test_lightning_features_keep_ranks_identical_while_compressing(feature_results, i: int) -> None:
     ranks = feature_results[i]
     for out in ranks:
         assert out["error"] is None, out.get("message")

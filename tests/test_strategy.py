@@ -122,3 +122,20 @@ def test_fallback_sends_plainly_when_the_codec_costs_more():
 def test_fallback_off_always_compresses():
     phases, fallback, _ = run_gloo(fallback_worker, 2, (False,))[0]
     assert fallback == [] and all(phases[2:])
+
+
+def test_fallback_at_its_default_decides_alike_on_every_rank(monkeypatch):
+    """The default user path: CompressedDDPStrategy(codec="topk") with the fallback left at None and
+    no environment override (the suite turns it off elsewhere), in a real two-process Lightning run.
+    Which buckets fall back depends on timing; that every rank takes the same decision does not."""
+    from reliability_helpers import from_bytes, lightning_worker
+
+    monkeypatch.delenv("LIGHTNING_GRADCOMP_FALLBACK", raising=False)  # spawned ranks inherit this
+    run = {"codec": "topk", "codec_options": {"min_numel": 256}, "max_steps": 12}
+    ranks = [from_bytes(b)["runs"][0] for b in run_gloo(lightning_worker, 2, args=({"runs": [run]},), timeout=300)]
+    for out in ranks:
+        assert out["error"] is None, out.get("message")
+        assert out["fallback"]["enabled"] and out["fallback"]["decided"]
+        assert bool(torch.isfinite(out["final"]).all())
+    assert ranks[0]["fallback"] == ranks[1]["fallback"]
+    assert torch.equal(ranks[0]["final"], ranks[1]["final"])

@@ -22,7 +22,7 @@ def test_schedules_diminish_from_start_to_end(schedule):
     assert all(0.5 - 1e-12 <= v <= 0.9 + 1e-12 for v in values)
 
 
-def test_schedule_shapes():
+def test_theta_schedules_reach_their_documented_values():
     assert theta_at(50, 100, 0.9, 0.5, "cosine") == pytest.approx(0.7)
     assert theta_at(25, 100, 0.9, 0.5, "linear") == pytest.approx(0.8)
     step = [theta_at(s, 100, 0.9, 0.5, "step", (0.5, 0.75)) for s in (49, 50, 74, 75)]

@@ -195,7 +195,7 @@ def measure_codec(name: str, options: dict[str, Any], model_name: str, args: arg
         "model": model_name,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "codec": name,
-        "options": state.codec.options() if stats is not None else torch_options,
+        "options": state.codec.config() if stats is not None else torch_options,
         "measured_steps": len(measured),
         "warmup_steps": warm,
         "compressed_fraction": sum(m["compressed"] for m in measured) / n,

@@ -46,9 +46,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from lightning_gradcomp.callbacks.monitor import CompressionMonitor
-from lightning_gradcomp.codecs.base import Codec
+from lightning_gradcomp.codecs.base import Codec, MultiRound, RoundContext
 from lightning_gradcomp.comm import completed_future, wire_bytes
 
 __all__ = ["NoCommCodec", "main", "summarize"]
@@ -57,28 +58,24 @@ FLOOR = "floor"
 _NEVER = 10**12
 
 
-class NoCommCodec(Codec):
+class NoCommCodec(MultiRound, Codec):
     """Bench-only: sends nothing; each rank keeps its own gradient. Not registered, so it never
     appears in :func:`lightning_gradcomp.available_codecs`."""
 
     name = FLOOR
     collective = "custom"
+    harness_defaults = {"min_numel": 0, "start_step": 0}
 
-    def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("min_numel", 0)
-        kwargs.setdefault("start_step", 0)
-        super().__init__(**kwargs)
-
-    def communicate_bucket(self, state: Any, bucket: Any, layers: list, flag: float, step: int) -> Any:
+    def communicate_bucket(self, bucket: Any, layers: list, flag: Tensor, rc: RoundContext) -> Any:
         buf = bucket.buffer()
         raw = buf.numel() * buf.element_size()
-        state.stats.add(
+        rc.record(
             buckets=1,
             compressed=True,
             raw_bytes=raw,
             payload_bytes=0,
             wire_bytes=0.0,
-            raw_wire_bytes=wire_bytes("allreduce", raw, state.world_size),
+            raw_wire_bytes=wire_bytes("allreduce", raw, rc.comm.world_size),
         )
         return completed_future(buf)
 
@@ -268,8 +265,8 @@ def run_codec(name: str, options: dict[str, Any], args: argparse.Namespace, link
     trainer.fit(module, loader)
     result = {
         "codec": name,
-        "options": codec.options(),
-        "collective": codec.collective,
+        "options": codec.config(),
+        "collective": codec.collective_at(strategy.hook_state.step - 1),
         "warmup_steps": recorder.warmup_steps,
         "warmup_exhausted": recorder.warmup_exhausted,
         "rel_error": recorder.rel_error,

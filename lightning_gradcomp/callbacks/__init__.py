@@ -24,7 +24,7 @@ __all__ = ["CompressionMonitor", "SCHEDULE_CALLBACKS", "schedule_callbacks", *_L
 def schedule_callbacks(codec: Any) -> list[Any]:
     """The callbacks that log ``codec``'s schedule, new instances with default arguments (which
     leave the codec's own settings as they are)."""
-    name = SCHEDULE_CALLBACKS.get(getattr(codec, "name", None))
+    name = SCHEDULE_CALLBACKS.get(codec.name)
     return [] if name is None else [__getattr__(name)()]
 
 

@@ -69,10 +69,8 @@ class AutoencoderWarmup(Callback):
                 f"with codec {getattr(trainer.strategy, 'codec', None)!r}"
             )
         # runs on every rank before the strategy registers the hook (and compares codec options)
-        if self.warmup_steps is not None:
-            codec.warmup_steps = self.warmup_steps
-        if self.ae_train_steps is not None:
-            codec.ae_train_steps = self.ae_train_steps
+        given = {"warmup_steps": self.warmup_steps, "ae_train_steps": self.ae_train_steps}
+        codec.replace_options(**{k: v for k, v in given.items() if v is not None})
 
     @override
     def on_train_batch_end(
@@ -117,7 +115,7 @@ class AutoencoderWarmup(Callback):
         elif math.isfinite(codec.ae_recon_error):
             how = (
                 f"no layer passed the gate (held-out reconstruction error {codec.ae_recon_error:.2f} > "
-                f"max_recon_error {codec.max_recon_error}), so the exact values of the shared support were sent"
+                f"max_recon_error {codec.options.max_recon_error}), so the exact values of the shared support were sent"
             )
         else:
             how = (

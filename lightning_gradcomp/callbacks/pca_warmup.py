@@ -64,9 +64,10 @@ class PCAWarmup(Callback):
         if codec is None:
             rank_zero_warn("PCAWarmup only acts on CompressedDDPStrategy(codec='gradiveq'); it does nothing here")
             return
-        codec.configure(
-            warmup_steps=self.warmup_steps, refresh_every=self.refresh_every, refresh_window=self.refresh_window
-        )
+        # runs on every rank before the strategy registers the hook (and compares codec options)
+        given = {"warmup_steps": self.warmup_steps, "refresh_every": self.refresh_every}
+        given["refresh_window"] = self.refresh_window
+        codec.replace_options(**{k: v for k, v in given.items() if v is not None})
 
     @override
     def on_train_batch_end(

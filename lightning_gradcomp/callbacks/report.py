@@ -148,7 +148,7 @@ class CompressionReport(Callback):
         result: dict[str, Any] = {
             "module": type(pl_module).__name__,
             "codec": codec.name if codec is not None else None,
-            "codec_options": dict(codec.options()) if codec is not None else {},
+            "codec_options": dict(codec.config()) if codec is not None else {},
             "world_size": trainer.world_size,
             "steps": trainer.global_step,
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "test/"))},
@@ -204,5 +204,5 @@ def _hyperparameters(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict
         "codec": codec.name if codec is not None else "ddp",
     }
     if codec is not None:
-        params.update({f"codec_options/{k}": v for k, v in codec.options().items()})
+        params.update({f"codec_options/{k}": v for k, v in codec.config().items()})
     return params

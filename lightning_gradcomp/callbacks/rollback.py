@@ -1,15 +1,16 @@
 """``AccuracyDropRollback``: undo the steps that lost accuracy and compress less from then on.
 
 The recovery action of Wang et al. (HPDC'20): when accuracy drops, lower the compression (theta for
-the FFT codec). The callback is written against :class:`AdjustableCompression`, a two-member
-protocol any codec can implement, not against one codec.
+the FFT codec). The callback is written against
+:class:`~lightning_gradcomp.codecs.base.AdjustableCompression`, a small protocol any codec can
+implement, not against one codec.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -17,29 +18,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_gradcomp.codecs.base import AdjustableCompression
+
 __all__ = ["AdjustableCompression", "AccuracyDropRollback"]
-
-
-@runtime_checkable
-class AdjustableCompression(Protocol):
-    """A codec whose amount of compression can be lowered while training runs.
-
-    ``compression_level`` is the level in use, in ``[0, 1]`` (0: lossless up to the quantizer); for
-    the FFT codec it is theta, the fraction of frequency coefficients dropped.
-    ``compression_limit`` is an upper bound on that level which the codec respects whatever a
-    schedule (such as :class:`~lightning_gradcomp.callbacks.ThetaDecay`) sets. Both must change only
-    at the same optimizer step on every rank, and ``compression_limit`` must be part of the codec's
-    ``state_dict``.
-    """
-
-    @property
-    def compression_level(self) -> float: ...
-
-    @property
-    def compression_limit(self) -> float: ...
-
-    @compression_limit.setter
-    def compression_limit(self, value: float) -> None: ...
 
 
 class AccuracyDropRollback(Callback):
@@ -180,11 +161,7 @@ class AccuracyDropRollback(Callback):
         }
         hook = getattr(strategy, "hook_state", None)
         if hook is not None:
-            snap["codec"] = copy.deepcopy(hook.codec.state_dict())
-            snap["codec_rank"] = {k: v.detach().cpu().clone() for k, v in hook.codec.rank_state_dict().items()}
-            snap["residuals"] = hook.memory.state_dict()
-            snap["momentum"] = hook.momentum_buffers.state_dict()
-            snap["residual_lr"] = dict(hook.residual_lr)
+            snap["hook"] = hook.snapshot()
         self._snapshot = snap
         self.last_good_step = trainer.global_step
 
@@ -198,12 +175,8 @@ class AccuracyDropRollback(Callback):
         trainer.lightning_module.load_state_dict(snap["model"])  # copies into the same parameters
         for opt, state in zip(trainer.optimizers, snap["optimizers"]):
             opt.load_state_dict(copy.deepcopy(state))  # moves tensors to the parameters' device
-        if hook is not None:
-            hook.codec.load_state_dict(copy.deepcopy(snap["codec"]))
-            hook.codec.load_rank_state_dict({k: v.clone() for k, v in snap["codec_rank"].items()})
-            hook.memory.load_state_dict(snap["residuals"], device=strategy.root_device)
-            hook.momentum_buffers.load_state_dict(snap.get("momentum", {}), device=strategy.root_device)
-            hook.residual_lr = dict(snap.get("residual_lr", {}))
+        if hook is not None and "hook" in snap:
+            hook.restore(snap["hook"], strategy.root_device)
         new_limit = None
         if level is not None:
             new_limit = max(self.min_level, min(float(codec.compression_limit), self.factor * level))

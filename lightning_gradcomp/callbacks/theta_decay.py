@@ -14,6 +14,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_gradcomp.codecs.base import AdjustableCompression
+
 __all__ = ["ThetaDecay", "SCHEDULES", "theta_at"]
 
 SCHEDULES = ("cosine", "linear", "step")
@@ -39,16 +41,16 @@ def theta_at(
 
 
 class ThetaDecay(Callback):
-    """Lower ``codec.theta`` over the optimizer steps, the same way on every rank.
+    """Lower the FFT codec's theta over the optimizer steps, the same way on every rank.
 
-    theta is set in ``on_train_batch_start`` from ``trainer.global_step`` (the number of optimizer
+    theta is set (``codec.set_level``) in ``on_train_batch_start`` from ``trainer.global_step`` (the number of optimizer
     steps taken, identical on all ranks and unchanged by gradient accumulation), so every rank sends
     messages of the same size at every step. The value in use (``codec.compression_level``, which an
     :class:`~lightning_gradcomp.callbacks.AccuracyDropRollback` may have capped) is logged as
     ``gradcomp/theta``.
 
     Args:
-        theta_start: theta at step 0; ``None`` (default) takes the codec's theta at the start of fit.
+        theta_start: theta at step 0; ``None`` (default) takes the codec's level at the start of fit.
         theta_end: theta at the end of the schedule (default 0.5), ``<= theta_start``.
         schedule: ``"cosine"`` (default), ``"linear"`` or ``"step"``.
         total_steps: steps over which theta goes from start to end; ``None`` (default) uses
@@ -57,7 +59,7 @@ class ThetaDecay(Callback):
             or step numbers (default ``(0.5, 0.75)``).
 
     Raises:
-        ValueError: for an invalid argument, or when the codec has no ``theta`` (at setup).
+        ValueError: for an invalid argument, or when the codec's level cannot change (at setup).
 
     Example::
 
@@ -102,12 +104,12 @@ class ThetaDecay(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(schedule=self.schedule, theta_end=self.theta_end)
 
-    def _codec(self, trainer: pl.Trainer) -> Any:
+    def _codec(self, trainer: pl.Trainer) -> AdjustableCompression:
         codec = getattr(trainer.strategy, "codec", None)
-        if codec is None or not hasattr(codec, "theta"):
+        if not isinstance(codec, AdjustableCompression):
             raise ValueError(
-                f"ThetaDecay needs a codec with a 'theta' (codec 'fft'); the strategy's codec is "
-                f"{getattr(codec, 'name', None)!r}"
+                "ThetaDecay needs a codec whose compression level can change while training "
+                f"(AdjustableCompression: codec 'fft'); the strategy's codec is {getattr(codec, 'name', None)!r}"
             )
         return codec
 
@@ -115,7 +117,7 @@ class ThetaDecay(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         codec = self._codec(trainer)
         if self._start is None:
-            self._start = float(codec.theta) if self.theta_start is None else float(self.theta_start)
+            self._start = float(codec.compression_level) if self.theta_start is None else float(self.theta_start)
             if self.theta_end > self._start:
                 rank_zero_warn(
                     f"ThetaDecay: theta_end {self.theta_end} is above the codec's theta {self._start}: theta will rise"
@@ -135,9 +137,15 @@ class ThetaDecay(Callback):
         self.theta = theta_at(
             trainer.global_step, self._total, self._start, self.theta_end, self.schedule, self.milestones
         )
-        codec.theta = self.theta
-        level = getattr(codec, "compression_level", self.theta)
-        pl_module.log("gradcomp/theta", float(level), on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
+        codec.set_level(self.theta)
+        pl_module.log(
+            "gradcomp/theta",
+            float(codec.compression_level),
+            on_step=True,
+            on_epoch=False,
+            batch_size=1,
+            rank_zero_only=True,
+        )
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -23,20 +23,29 @@ A codec declares how its payloads are combined across ranks with :attr:`Codec.co
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
-import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Literal, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from lightning_gradcomp import comm
+
 __all__ = [
     "Codec",
+    "CodecOptions",
+    "HarnessOptions",
+    "LearnedState",
+    "MultiRound",
+    "AdjustableCompression",
     "DensityWarmup",
+    "check_density_warmup",
     "CodecContext",
+    "RoundContext",
     "EncodeResult",
     "check_fraction",
     "check_positive_int",
@@ -47,40 +56,34 @@ __all__ = [
 ]
 
 Collective = Literal["allreduce", "allgather", "custom"]
+COLLECTIVES = ("allreduce", "allgather", "custom")
 
 
-@dataclass
-class CodecContext:
-    """What a codec may know about the run it is in; set by the hook before the first call."""
+# --------------------------------------------------------------------------------------------------
+# options: declared, frozen, validated once
+@dataclass(frozen=True)
+class CodecOptions:
+    """A codec's hyper-parameters. Subclass it as a frozen dataclass (one field per option, with
+    its default) and validate in :meth:`check`, which runs at construction and on every
+    :meth:`Codec.replace_options`. ``check`` may normalise a value with :meth:`_set` (an int given
+    as ``3.0`` becomes ``3``), so that equal settings hash equally on every rank."""
 
-    rank: int
-    world_size: int
-    device: torch.device
+    def __post_init__(self) -> None:
+        self.check()
 
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the option and what it must be."""
 
-@dataclass
-class EncodeResult:
-    """One layer's encoding.
-
-    Attributes:
-        payload: the tensors that travel (all ranks must produce the same shapes and dtypes).
-        local: the codec's own reconstruction of its input from this payload alone, used for the
-            error-feedback residual and for ``rel_error``. ``None`` lets the hook call
-            :meth:`Codec.decode_local`.
-        ctx: anything the codec needs at decode time that stays on this rank.
-        sent: what this rank's payload really stands for, when it differs from ``local`` (a codec
-            that keeps part of its own error out of the residual); ``rel_error`` compares the
-            input with it, so that every lossy stage is counted. ``None``: ``local``.
-    """
-
-    payload: list[Tensor]
-    local: Tensor | None = None
-    ctx: Any = None
-    sent: Tensor | None = None
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
 
 
-class Codec:
-    """Base class of all codecs. Subclasses set the class attributes and override the methods.
+@dataclass(frozen=True)
+class HarnessOptions(CodecOptions):
+    """What the hook does around every codec; each codec takes these as keyword options too.
+
+    A codec changes the defaults with :attr:`Codec.harness_defaults` and refuses values it cannot
+    run with in :meth:`Codec.check_harness`.
 
     Args:
         error_feedback: keep what compression dropped in a per-parameter residual and add it to the
@@ -119,67 +122,209 @@ class Codec:
             ``lr_now`` the residual is multiplied by ``lr_then / lr_now`` before it is added, so a
             gradient held back while the rate decays is applied with the rate of the step that
             computed it, as in the error feedback of the papers (Stich et al. 2018 and
-            Karimireddy et al. 2019 keep ``lr_t * g_t`` in the memory). Without it a residual
-            held through a decaying schedule is applied at the later, smaller rate. The strategy
-            reads the rates from the optimizers before each backward; with ``make_comm_hook`` call
-            ``state.rescale_residuals({name: lr})`` before each backward. Default False (``lgc``: True).
+            Karimireddy et al. 2019 keep ``lr_t * g_t`` in the memory). The strategy reads the
+            rates from the optimizers before each backward; with ``make_comm_hook`` call
+            ``state.rescale_residuals({name: lr})`` before each backward. Default False (``lgc``:
+            True). A codec's default of True applies only when error feedback is on.
+    """
+
+    error_feedback: bool = False
+    min_numel: int = 1024
+    start_step: int = 2
+    dense_layers: tuple[str, ...] = ("auto",)
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    momentum_masking: bool = True
+    lr_scaled_feedback: bool = False
+
+    def check(self) -> None:
+        self._set("error_feedback", bool(self.error_feedback))
+        self._set("min_numel", check_positive_int("min_numel", self.min_numel, allow_zero=True))
+        self._set("start_step", check_positive_int("start_step", self.start_step, allow_zero=True))
+        self._set("dense_layers", _check_dense_layers(self.dense_layers))
+        self._set("momentum", check_fraction("momentum", self.momentum, low_open=False, high_open=True))
+        wd = self.weight_decay
+        if isinstance(wd, bool) or not (isinstance(wd, (int, float)) and math.isfinite(wd) and wd >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {wd!r}")
+        if (self.nesterov or wd) and not self.momentum:
+            raise ValueError("nesterov and weight_decay are part of momentum correction: set momentum > 0 too")
+        self._set("weight_decay", float(wd))
+        self._set("nesterov", bool(self.nesterov))
+        self._set("momentum_masking", bool(self.momentum_masking))
+        if self.lr_scaled_feedback and not self.error_feedback:
+            raise ValueError("lr_scaled_feedback rescales the error-feedback residual: it needs error_feedback=True")
+        self._set("lr_scaled_feedback", bool(self.lr_scaled_feedback))
+
+
+# --------------------------------------------------------------------------------------------------
+# what a codec may know about its run, and the collectives it may run
+@dataclass
+class CodecContext:
+    """The codec's view of the run, set by the hook before the first step (:meth:`Codec.setup`).
+
+    ``group`` is the process group the hook communicates in (``None``: the default group). Every
+    collective a codec runs goes through the methods below, which use that group and take ranks
+    *within* it (``src=0`` is the group's first rank, whatever its global rank).
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    group: Any = None
+
+    def broadcast(self, t: Tensor, src: int) -> Tensor:
+        """Broadcast ``t`` in place from group rank ``src``; blocking (hook body or step end only)."""
+        return comm.broadcast(t, src, self.group, self.world_size)
+
+    def all_reduce(self, t: Tensor, op: str = "sum") -> Tensor:
+        """Reduce ``t`` in place over the group (``op``: "sum" or "max"); blocking."""
+        return comm.all_reduce(t, op, self.group, self.world_size)
+
+    def agree(self, value: int, what: str) -> None:
+        """Raise on every rank unless every rank holds the same 62-bit ``value`` (a
+        :func:`~lightning_gradcomp.comm.digest`); ``what`` names it in the message."""
+        comm.agree(value, what, self.group, self.device, self.world_size)
+
+
+@dataclass
+class RoundContext:
+    """What a :class:`MultiRound` codec gets for one bucket of one step, and nothing more.
+
+    Attributes:
+        step: the optimizer step (0-based).
+        comm: the codec's :class:`CodecContext` (its group, device and collectives).
+        sample: whether this step samples the error statistics (they cost a local decode).
+        record: the statistics sink, ``record(buckets=1, payload_bytes=..., ...)``; the names are
+            those of :class:`~lightning_gradcomp.stats.StatsAccumulator`.
+        discard: ``discard(buf)`` zeroes the bucket, drops this step's staged residuals and asks for
+            the step to be skipped (a non-finite gradient on some rank); it returns ``buf``.
+    """
+
+    step: int
+    comm: CodecContext
+    sample: bool = False
+    record: Callable[..., None] = lambda **stats: None
+    discard: Callable[[Tensor], Tensor] = lambda buf: buf.zero_()
+
+
+@dataclass
+class EncodeResult:
+    """One layer's encoding.
+
+    Attributes:
+        payload: the tensors that travel (all ranks must produce the same shapes and dtypes).
+        local: the codec's own reconstruction of its input from this payload alone, used for the
+            error-feedback residual and for ``rel_error``. ``None``: the hook decodes the payload
+            alone (``decode(payload, ctx, numel, count=1)``).
+        ctx: anything the codec needs at decode time that stays on this rank.
+        sent: what this rank's payload really stands for, when it differs from ``local`` (a codec
+            that keeps part of its own error out of the residual); ``rel_error`` compares the
+            input with it, so that every lossy stage is counted. ``None``: ``local``.
+    """
+
+    payload: list[Tensor]
+    local: Tensor | None = None
+    ctx: Any = None
+    sent: Tensor | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# the contract
+class Codec:
+    """Base class of all codecs: a compressor of one layer's flat fp32 gradient.
+
+    A codec **must** write :meth:`encode` and :meth:`decode`. It **may** set:
+
+    - :attr:`collective` (how payloads combine, see the module docstring), :attr:`Options` (its
+      hyper-parameters), :attr:`harness_defaults`, :attr:`wire_dtype`, :attr:`sparse_local`;
+    - :meth:`aggregate` (``allgather`` codecs, to be faster than decoding one payload at a time),
+      :meth:`error_bound` (checked by the property tests), :meth:`is_compressing` (a warm-up),
+      :meth:`check_harness` (refuse a harness option it cannot run with).
+
+    Learned or adjustable state and codec-run collectives are opt-in: :class:`LearnedState`,
+    :class:`MultiRound`, :class:`AdjustableCompression`. Everything else on this class belongs to
+    the harness and is not meant to be overridden.
+
+    Options are keyword arguments: the fields of :attr:`Options`, then those of
+    :class:`HarnessOptions`. They are frozen; :meth:`config` is what ranks compare, checkpoints
+    record and reports show.
     """
 
     #: registry name, set by ``register_codec``
     name: ClassVar[str] = "codec"
     #: how payloads are combined across ranks, see the module docstring
     collective: ClassVar[Collective] = "allgather"
-    #: whether the codec sends anything lossy at all (``none`` and ``fp16`` are exact or nearly)
-    default_error_feedback: ClassVar[bool] = False
-    #: whether the hook's per-layer choice (:meth:`should_compress`) applies; codecs that wrap a
-    #: third-party hook choose their layers themselves
-    supports_dense_layers: ClassVar[bool] = True
-    #: whether the hook may apply momentum correction (codecs that wrap a third-party hook cannot)
-    supports_momentum: ClassVar[bool] = True
-    #: whether this codec's reconstruction is zero outside the coordinates it sent (sparsifiers),
-    #: which is where momentum factor masking applies
+    #: the codec's own hyper-parameters
+    Options: ClassVar[type[CodecOptions]] = CodecOptions
+    #: defaults of harness options that differ for this codec (``{"error_feedback": True}``)
+    harness_defaults: ClassVar[Mapping[str, Any]] = {}
+    #: ``allreduce`` codecs: the dtype their payloads are summed in
+    wire_dtype: ClassVar[torch.dtype] = torch.float32
+    #: whether the reconstruction is zero outside the coordinates sent (sparsifiers), which is
+    #: where momentum factor masking applies
     sparse_local: ClassVar[bool] = False
 
-    def __init__(
-        self,
-        *,
-        error_feedback: bool | None = None,
-        min_numel: int = 1024,
-        start_step: int = 2,
-        dense_layers: str | Sequence[str] = "auto",
-        momentum: float = 0.0,
-        nesterov: bool = False,
-        weight_decay: float = 0.0,
-        momentum_masking: bool = True,
-        lr_scaled_feedback: bool = False,
-    ) -> None:
-        check_positive_int("min_numel", min_numel, allow_zero=True)
-        check_positive_int("start_step", start_step, allow_zero=True)
-        self.error_feedback = self.default_error_feedback if error_feedback is None else bool(error_feedback)
-        self.min_numel = int(min_numel)
-        self.start_step = int(start_step)
-        self.dense_layers = _check_dense_layers(dense_layers, self.supports_dense_layers)
-        self.momentum = check_fraction("momentum", momentum, low_open=False, high_open=True)
-        if self.momentum and not self.supports_momentum:
+    def __init__(self, **options: Any) -> None:
+        own = {f.name for f in dataclasses.fields(self.Options)}
+        harness = {f.name for f in dataclasses.fields(HarnessOptions)}
+        unknown = sorted(set(options) - own - harness)
+        if unknown:
             raise ValueError(
-                "this codec keeps its own state per bucket and cannot take momentum correction (momentum must be 0)"
+                f"invalid option for codec {self.name!r}: {', '.join(map(repr, unknown))}. "
+                f"Valid options: {', '.join(option_names(type(self)))}"
             )
-        if not (isinstance(weight_decay, (int, float)) and math.isfinite(weight_decay) and weight_decay >= 0):
-            raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
-        if (nesterov or weight_decay) and not self.momentum:
-            raise ValueError("nesterov and weight_decay are part of momentum correction: set momentum > 0 too")
-        self.nesterov = bool(nesterov)
-        self.weight_decay = float(weight_decay)
-        self.momentum_masking = bool(momentum_masking)
-        if lr_scaled_feedback and not self.error_feedback:
-            raise ValueError("lr_scaled_feedback rescales the error-feedback residual: it needs error_feedback=True")
-        self.lr_scaled_feedback = bool(lr_scaled_feedback)
+        given = {k: v for k, v in options.items() if k in harness}
+        merged = {**self.harness_defaults, **given}
+        if "lr_scaled_feedback" not in given and not merged.get("error_feedback", False):
+            merged.pop("lr_scaled_feedback", None)  # a codec's default applies with error feedback only
+        self.options = self.Options(**{k: v for k, v in options.items() if k in own})
+        self.harness = HarnessOptions(**merged)
+        self.check_harness(self.harness)
         self.context: CodecContext | None = None
         self._dense_keys: frozenset[str] = frozenset()  # resolved by plan_layers()
         self._run_total_steps: int | None = None  # set by fit_to_run()
 
     # ----------------------------------------------------------------------------------------------
-    # life cycle
+    # what a codec writes
+    def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
+        """Compress one layer. ``x`` is flat fp32 (the gradient plus the residual); ``key`` names
+        the parameter ``param``; ``step`` is the optimizer step."""
+        raise NotImplementedError
+
+    def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
+        """Turn a payload into a flat fp32 gradient of ``numel`` entries.
+
+        For ``allreduce`` codecs ``payload`` is the element-wise sum of ``count`` ranks' payloads and
+        the result must be the *sum* of their gradients (the hook divides by the world size).
+        """
+        raise NotImplementedError
+
+    def aggregate(self, payloads: Sequence[list[Tensor]], ctx: Any, numel: int) -> Tensor:
+        """``allgather`` codecs: the sum of every rank's decoded gradient. Override to be faster."""
+        total = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
+        for p in payloads:
+            total += self.decode(p, ctx, numel, count=1)
+        return total
+
+    def error_bound(self, x: Tensor) -> float | None:
+        """An upper bound on ``||x - local||_2`` (``local``: the reconstruction of ``encode(x)``) that
+        the codec guarantees for this input, or ``None`` when it states none (the default)."""
+        return None
+
+    def is_compressing(self, step: int) -> bool:
+        """Whether step ``step`` (0-based optimizer steps) compresses. Plain all-reduce otherwise."""
+        return step >= self.harness.start_step
+
+    def collective_at(self, step: int) -> Collective:
+        """The collective of step ``step``; :attr:`collective` unless the codec changes it by stage."""
+        return self.collective
+
+    def check_harness(self, harness: HarnessOptions) -> None:
+        """Raise ``ValueError`` for a harness option this codec cannot run with."""
+
+    # ----------------------------------------------------------------------------------------------
+    # identity and options (harness side)
     def setup(self, context: CodecContext) -> None:
         """Called once on every rank after the process group exists and before the first step."""
         self.context = context
@@ -192,14 +337,28 @@ class Codec:
     def rank(self) -> int:
         return 0 if self.context is None else self.context.rank
 
-    def options(self) -> dict[str, Any]:
-        """The hyper-parameters that define this codec; compared across ranks at setup."""
-        return {k: v for k, v in vars(self).items() if not k.startswith("_") and k != "context" and _is_plain(v)}
+    def config(self) -> dict[str, Any]:
+        """Harness and codec options as plain JSON values: what ranks compare at setup, what a
+        checkpoint records and what reports show. ``make_codec(name, **codec.config())`` rebuilds it."""
+        merged = {**dataclasses.asdict(self.harness), **dataclasses.asdict(self.options)}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in merged.items()}
 
     def config_hash(self) -> int:
         """A 62-bit digest of the codec's name and options, identical on ranks that agree."""
-        text = json.dumps({"codec": self.name, "options": self.options()}, sort_keys=True, default=str)
-        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
+        return comm.digest(json.dumps({"codec": self.name, "options": self.config()}, sort_keys=True, default=str))
+
+    def replace_options(self, **changes: Any) -> None:
+        """Change some of the codec's own options (checked again), before the strategy sets the hook
+        up: ranks compare :meth:`config` there. What a codec built from its options at
+        construction (an autoencoder's shape) is not rebuilt."""
+        own = [f.name for f in dataclasses.fields(self.Options)]
+        unknown = sorted(set(changes) - set(own))
+        if unknown:
+            raise ValueError(
+                f"codec {self.name!r} has no option {', '.join(map(repr, unknown))} to replace. "
+                f"Its own options: {', '.join(own)}"
+            )
+        self.options = dataclasses.replace(self.options, **changes)
 
     def plan_layers(self, named_parameters: Iterable[tuple[str, Tensor]]) -> frozenset[str]:
         """Resolve ``dense_layers`` against the model; called once with the model's
@@ -211,7 +370,7 @@ class Codec:
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         names = [n for n, _ in named]
         dense: set[str] = set()
-        for pattern in self.dense_layers:
+        for pattern in self.harness.dense_layers:
             if pattern == "none":
                 continue
             if pattern == "auto":
@@ -230,6 +389,11 @@ class Codec:
         """Parameter names that the layer policy keeps dense (empty before :meth:`plan_layers`)."""
         return self._dense_keys
 
+    def should_compress(self, key: str, param: Tensor) -> bool:
+        """Whether this parameter is compressed: small ones and those of the layer policy
+        (``dense_layers``) travel in the fp32 all-reduce."""
+        return param.numel() >= max(self.harness.min_numel, 1) and key not in self._dense_keys
+
     def fit_to_run(self, total_steps: int | None) -> None:
         """Learn the run's length in optimizer steps (Lightning's ``estimated_stepping_batches``;
         ``None`` when unknown), so that schedules given as a fraction of the run resolve
@@ -242,86 +406,95 @@ class Codec:
     def run_total_steps(self) -> int | None:
         return self._run_total_steps
 
-    # ----------------------------------------------------------------------------------------------
-    # per-step control
-    def is_compressing(self, step: int) -> bool:
-        """Whether step ``step`` (0-based optimizer steps) compresses. Plain all-reduce otherwise."""
-        return step >= self.start_step
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in sorted(self.config().items()))
+        return f"{type(self).__name__}({opts})"
 
-    def should_compress(self, key: str, param: Tensor) -> bool:
-        """Whether this parameter is compressed: small ones and those of the layer policy
-        (``dense_layers``) travel in the fp32 all-reduce."""
-        return param.numel() >= max(self.min_numel, 1) and key not in self._dense_keys
+
+class LearnedState:
+    """Extension: state a codec learns during the run or keeps across a restart.
+
+    Mix it into a :class:`Codec` subclass (``class MyCodec(LearnedState, Codec)``) and override
+    what applies. :meth:`observe_dense` and :meth:`on_step_end` are called on every rank with the
+    same arguments; ``on_step_end`` runs in the hook body of the next step (never in a ``.then``
+    callback), so it may run the collectives of :class:`CodecContext`.
+    """
 
     def observe_dense(self, key: str, mean_grad: Tensor, step: int) -> None:
         """Sees each aggregated, uncompressed gradient of a compressed-size layer on steps that do
         not compress (warm-up). Identical on all ranks; learned codecs fit on it."""
 
-    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], step: int) -> int:
-        """Runs in the hook body before a bucket's layers are encoded, with ``(key, input, param)``
-        of each compressed layer. It may run blocking collectives (a broadcast of a shared index
-        set); it must not be called from a ``.then`` callback. Returns the bytes this rank sent."""
-        return 0
-
-    def communicate_bucket(self, state: Any, bucket: Any, layers: list, flag: Tensor, step: int) -> Any:
-        """``custom`` codecs: run the whole protocol for one bucket and return a future of the
-        averaged bucket. ``flag`` is a one-element fp32 tensor on the bucket's device, 1.0 when
-        this rank's bucket is not finite (a tensor, so that reading it is the codec's choice)."""
-        raise NotImplementedError(f"codec {self.name!r} declares collective 'custom' but has no protocol")
-
     def on_step_end(self, step: int) -> None:
-        """Called by the hook after the last bucket of optimizer step ``step`` was launched."""
+        """After the last bucket of optimizer step ``step`` was launched (and its futures done)."""
 
-    # ----------------------------------------------------------------------------------------------
-    # the codec proper
-    def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
-        """Compress one layer. ``x`` is flat fp32 (the gradient plus the residual)."""
-        raise NotImplementedError
-
-    def decode_local(self, enc: EncodeResult, numel: int) -> Tensor:
-        """Reconstruct this rank's own input from its payload (for residuals and ``rel_error``)."""
-        return self.decode([p.clone() for p in enc.payload], enc.ctx, numel, count=1)
-
-    def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
-        """Turn a payload into a flat fp32 gradient.
-
-        For ``allreduce`` codecs ``payload`` is the element-wise sum of ``count`` ranks' payloads and
-        the result must be the *sum* of their gradients (the hook divides by the world size).
-        """
-        raise NotImplementedError
-
-    def aggregate(self, payloads: Sequence[list[Tensor]], ctx: Any, numel: int) -> Tensor:
-        """``allgather`` codecs: the sum of every rank's decoded gradient. Override to be faster."""
-        total = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
-        for p in payloads:
-            total += self.decode(p, ctx, numel, count=1)
-        return total
-
-    def error_bound(self, x: Tensor) -> float | None:
-        """An upper bound on ``||x - decode_local(encode(x))||_2`` that the codec guarantees for
-        this input, or ``None`` when it states none (the default). Property tests check it."""
-        return None
-
-    # ----------------------------------------------------------------------------------------------
-    # checkpointing: state identical on every rank (bases, learned weights, schedules)
     def state_dict(self) -> dict[str, Any]:
+        """State identical on every rank (bases, learned weights, schedules)."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             raise ValueError(f"codec {self.name!r} keeps no state but was given {sorted(state)}")
 
-    # checkpointing: state that differs per rank, beyond the residuals the hook keeps
     def rank_state_dict(self) -> dict[str, Tensor]:
+        """State that differs per rank, beyond the residuals the hook keeps."""
         return {}
 
     def load_rank_state_dict(self, state: dict[str, Tensor]) -> None:
         if state:
             raise ValueError(f"codec {self.name!r} keeps no per-rank state but was given {sorted(state)}")
 
-    def __repr__(self) -> str:
-        opts = ", ".join(f"{k}={v!r}" for k, v in sorted(self.options().items()))
-        return f"{type(self).__name__}({opts})"
+
+class MultiRound:
+    """Extension: a codec that runs collectives of its own for a bucket, in the hook body.
+
+    :meth:`prepare_bucket` runs before the layers of a bucket are encoded (a broadcast of one
+    rank's index set); a codec whose :attr:`~Codec.collective` is ``"custom"`` runs the whole
+    exchange in :meth:`communicate_bucket`. Both get a :class:`RoundContext`, never the hook's state.
+    """
+
+    #: codec state is keyed by DDP bucket index: the hook sends plain all-reduce until DDP has
+    #: rebuilt its buckets in the layout the state was made for (a resumed run)
+    bucket_keyed_state: ClassVar[bool] = False
+
+    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], rc: RoundContext) -> int:
+        """``(key, input, param)`` of each compressed layer of the bucket. It may run blocking
+        collectives through ``rc.comm``. Returns the bytes this rank sent."""
+        return 0
+
+    def communicate_bucket(self, bucket: Any, layers: list, flag: Tensor, rc: RoundContext) -> Any:
+        """``custom`` codecs: run the whole protocol for a ``torch.distributed.GradBucket`` and
+        return a future of the averaged bucket. ``layers`` holds ``(key, gradient view, param)``;
+        ``flag`` is a one-element fp32 tensor, 1.0 when this rank's bucket is not finite."""
+        raise NotImplementedError(f"codec {self.name!r} declares collective 'custom' but has no protocol")
+
+
+@runtime_checkable
+class AdjustableCompression(Protocol):
+    """A codec whose amount of compression can be lowered while training runs.
+
+    ``compression_level`` is the level in use, in ``[0, 1]`` (0: lossless up to the quantizer); for
+    the FFT codec it is theta, the fraction of frequency coefficients dropped. A schedule (such as
+    :class:`~lightning_gradcomp.callbacks.ThetaDecay`) sets the level with :meth:`set_level`;
+    ``compression_limit`` is an upper bound on it that the codec respects whatever a schedule sets
+    (lowered by :class:`~lightning_gradcomp.callbacks.AccuracyDropRollback`). Both must change only
+    at the same optimizer step on every rank, and both belong in the codec's ``state_dict``.
+    """
+
+    @property
+    def compression_level(self) -> float: ...
+
+    def set_level(self, level: float) -> None: ...
+
+    @property
+    def compression_limit(self) -> float: ...
+
+    @compression_limit.setter
+    def compression_limit(self, value: float) -> None: ...
+
+
+def option_names(cls: type[Codec]) -> list[str]:
+    """The keyword options ``cls`` takes: its own, then the harness's."""
+    return [f.name for f in dataclasses.fields(cls.Options)] + [f.name for f in dataclasses.fields(HarnessOptions)]
 
 
 class DensityWarmup:
@@ -331,13 +504,19 @@ class DensityWarmup:
     to the codec's own fraction: ``start ** (1 - t) * target ** t`` with ``t`` the share of the
     warm-up done (DGC: 25 %, 6.25 %, 1.56 %, 0.4 %, 0.1 % over four epochs). It is a function of the
     step alone, so every rank keeps the same number of entries. ``steps`` may be a fraction of the
-    run (see :func:`run_steps`, capped at ``cap``); 0 turns it off.
+    run (see :func:`run_steps`, capped at ``cap``); 0 turns it off. A codec that offers it declares
+    the options ``density_warmup`` and ``density_warmup_start`` and checks them with
+    :func:`check_density_warmup`.
     """
 
     def __init__(self, steps: int | float, start: float, cap: int = 2000) -> None:
         self.steps = check_run_steps("density_warmup", steps)
         self.start = check_fraction("density_warmup_start", start)
         self.cap = cap
+
+    @classmethod
+    def of(cls, options: Any) -> DensityWarmup:
+        return cls(options.density_warmup, options.density_warmup_start)
 
     def fraction(self, target: float, step: int, first_step: int, total_steps: int | None) -> float:
         """The kept fraction at optimizer ``step`` for a codec whose own fraction is ``target``."""
@@ -346,6 +525,21 @@ class DensityWarmup:
             return target
         t = max(0.0, (step - first_step) / length)
         return self.start ** (1.0 - t) * target**t
+
+    def kept(self, numel: int, target: float, step: int | None, codec: Codec) -> int:
+        """Entries ``codec`` keeps of a layer of ``numel`` at ``step`` (``None``: after the warm-up)."""
+        from lightning_gradcomp.codecs.sampling import keep_count
+
+        if step is not None:
+            target = self.fraction(target, step, codec.harness.start_step, codec.run_total_steps)
+        return keep_count(target, numel)
+
+
+def check_density_warmup(options: CodecOptions) -> None:
+    """Check and normalise the ``density_warmup`` and ``density_warmup_start`` options."""
+    warmup = DensityWarmup.of(options)
+    options._set("density_warmup", warmup.steps)
+    options._set("density_warmup_start", warmup.start)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -422,16 +616,8 @@ def weight_layer_ends(
     return out
 
 
-def _check_dense_layers(value: str | Sequence[str], supported: bool) -> list[str]:
+def _check_dense_layers(value: str | Sequence[str]) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
     if items is None or not all(isinstance(v, str) and v for v in items):
         raise ValueError(f"dense_layers must be 'auto', 'none' or a list of parameter-name patterns, got {value!r}")
-    if not supported and items != ["none"]:
-        raise ValueError("this codec chooses its compressed layers itself: dense_layers must be 'none'")
-    return items
-
-
-def _is_plain(v: Any) -> bool:
-    return isinstance(v, (bool, int, float, str, type(None))) or (
-        isinstance(v, (list, tuple)) and all(isinstance(x, (bool, int, float, str)) for x in v)
-    )
+    return tuple(items)

@@ -1,11 +1,27 @@
-"""Packing small unsigned integer codes into bytes, so a b-bit code costs b bits on the wire."""
+"""Packing small unsigned integer codes into bytes, so a b-bit code costs b bits on the wire.
+
+Every packer here writes the least significant bit first, so a bitmap packed with
+:func:`pack_mask` is byte for byte ``pack_bits(mask, 1)``. The one home of bit packing: codecs and
+position codes use these functions, never their own.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
 
-__all__ = ["pack_bits", "unpack_bits", "packed_nbytes"]
+__all__ = [
+    "pack_bits",
+    "unpack_bits",
+    "packed_nbytes",
+    "pack_mask",
+    "unpack_mask",
+    "pack_codes",
+    "unpack_codes",
+    "codes_nbytes",
+]
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -47,3 +63,51 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
     bitmat = ((packed.unsqueeze(1) >> weights) & 1).reshape(-1)[: n * bits].view(n, bits)
     shifts = torch.arange(bits, device=packed.device, dtype=torch.int32)
     return (bitmat << shifts).sum(1)
+
+
+@functools.lru_cache(maxsize=None)
+def _shifts(device: torch.device) -> Tensor:
+    """``[0, 1, ..., 7]`` as uint8 on ``device``, made once per device (a copy to a GPU waits)."""
+    return torch.arange(8, dtype=torch.uint8, device=device)
+
+
+def pack_mask(mask: Tensor) -> Tensor:
+    """A flat bool or 0/1 uint8 mask, eight entries to a byte, without int32 copies."""
+    pad = (-mask.numel()) % 8
+    if pad:
+        mask = torch.cat([mask, mask.new_zeros(pad)])
+    return (mask.view(-1, 8).to(torch.uint8) << _shifts(mask.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_mask(packed: Tensor, n: int) -> Tensor:
+    """Inverse of :func:`pack_mask`: the first ``n`` entries as bool."""
+    return ((packed.unsqueeze(1) >> _shifts(packed.device)) & 1).reshape(-1)[:n].bool()
+
+
+def pack_codes(codes: Tensor, bits: int) -> Tensor:
+    """Pack ``bits``-bit codes into ``codes_nbytes(n, bits)`` bytes.
+
+    Widths above 8 (up to 31) are split into planes (our choice, for speed): the low byte of every
+    code, then the high ``bits - 8`` bits packed the same way (bytes, then
+    :func:`~lightning_gradcomp.codecs.bits.pack_bits` for the last plane). The size is at most a few
+    bytes above the dense ``ceil(n bits / 8)``.
+    """
+    if not 1 <= bits <= 31:
+        raise ValueError(f"bits must be in [1, 31], got {bits}")
+    if bits <= 8:
+        return pack_bits(codes, bits)
+    codes = codes.reshape(-1).to(torch.int32)
+    low = (codes & 0xFF).to(torch.uint8)
+    return torch.cat([low, pack_codes(codes >> 8, bits - 8)])
+
+
+def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
+    """Inverse of :func:`pack_codes`: ``n`` codes as int32."""
+    if bits <= 8:
+        return unpack_bits(packed, bits, n)
+    low = packed[:n].to(torch.int32)
+    return low | (unpack_codes(packed[n:], bits - 8, n) << 8)
+
+
+def codes_nbytes(n: int, bits: int) -> int:
+    return packed_nbytes(n, bits) if bits <= 8 else n + codes_nbytes(n, bits - 8)

@@ -44,27 +44,34 @@ Our choices (the paper leaves them open or its text was not available):
 * **Error feedback** (on by default): the residual keeps what the sparsification and the
   quantization dropped.
 
-``theta`` is a live knob: set ``codec.theta`` (as :class:`~lightning_gradcomp.callbacks.ThetaDecay`
+``theta`` is a live knob: ``codec.set_level(theta)`` (as :class:`~lightning_gradcomp.callbacks.ThetaDecay`
 does) at the same optimizer step on every rank; every message size derives from ``n``, ``B`` and
 ``theta`` alone. ``compression_limit`` caps it (see
-:class:`~lightning_gradcomp.callbacks.rollback.AdjustableCompression`).
+:class:`~lightning_gradcomp.codecs.base.AdjustableCompression`).
 """
 
 from __future__ import annotations
 
-import functools
 import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.codecs.base import Codec, EncodeResult, check_choice, check_fraction, check_positive_int
-from lightning_gradcomp.codecs.bits import packed_nbytes
+from lightning_gradcomp.codecs.base import (
+    Codec,
+    CodecOptions,
+    EncodeResult,
+    LearnedState,
+    check_choice,
+    check_fraction,
+    check_positive_int,
+)
+from lightning_gradcomp.codecs.bits import codes_nbytes, pack_codes, pack_mask, packed_nbytes, unpack_codes, unpack_mask
 from lightning_gradcomp.codecs.positions import positions_of_ones
-from lightning_gradcomp.codecs.qsgd import seeded_generator
-from lightning_gradcomp.codecs.rangefloat import ROUNDINGS, RangeFloat, codes_nbytes, pack_codes, unpack_codes
-from lightning_gradcomp.codecs.sampling import select_top
+from lightning_gradcomp.codecs.rangefloat import ROUNDINGS, RangeFloat, range_float
+from lightning_gradcomp.codecs.sampling import seeded_generator, select_top
 from lightning_gradcomp.registry import register_codec
 
 __all__ = ["FFTCodec"]
@@ -73,8 +80,32 @@ POSITIONS = ("auto", "bitmap", "indices")
 SELECTIONS = ("layer", "block")
 
 
+@dataclass(frozen=True)
+class FFTOptions(CodecOptions):
+    theta: float = 0.9
+    block_size: int = 4096
+    bits: int | None = 8
+    exponent_bits: int | None = None
+    rounding: str = "nearest"
+    positions: str = "auto"
+    selection: str = "block"
+    seed: int = 0
+
+    def check(self) -> None:
+        self._set("theta", check_fraction("theta", self.theta, low_open=False, high_open=True))
+        check_positive_int("block_size", self.block_size)
+        if self.block_size % 2 or not 16 <= self.block_size <= 65536:
+            raise ValueError(f"block_size must be an even integer in [16, 65536], got {self.block_size}")
+        check_choice("rounding", self.rounding, ROUNDINGS)
+        if self.bits is not None:
+            range_float(self.bits, self.exponent_bits, None, self.rounding)  # validates the format
+        check_choice("positions", self.positions, POSITIONS)
+        check_choice("selection", self.selection, SELECTIONS)
+        self._set("seed", int(self.seed))
+
+
 @register_codec("fft")
-class FFTCodec(Codec):
+class FFTCodec(LearnedState, Codec):
     """FFT sparsification + range-based float (see the module docstring).
 
     Args:
@@ -94,46 +125,38 @@ class FFTCodec(Codec):
     """
 
     collective = "allgather"
-    default_error_feedback = True
+    Options = FFTOptions
+    harness_defaults = {"error_feedback": True}
 
-    def __init__(
-        self,
-        theta: float = 0.9,
-        block_size: int = 4096,
-        bits: int | None = 8,
-        exponent_bits: int | None = None,
-        rounding: str = "nearest",
-        positions: str = "auto",
-        selection: str = "block",
-        seed: int = 0,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self.theta = check_fraction("theta", theta, low_open=False, high_open=True)
-        check_positive_int("block_size", block_size)
-        if block_size % 2 or not 16 <= block_size <= 65536:
-            raise ValueError(f"block_size must be an even integer in [16, 65536], got {block_size}")
-        self.block_size = block_size
-        check_choice("rounding", rounding, ROUNDINGS)
-        self._fmt = None if bits is None else RangeFloat(bits, exponent_bits, None, rounding)
-        self.bits = bits
-        self.exponent_bits = exponent_bits
-        self.rounding = rounding
-        self.positions = check_choice("positions", positions, POSITIONS)
-        self.selection = check_choice("selection", selection, SELECTIONS)
-        self.seed = int(seed)
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._theta = self.options.theta  # the level in use: a schedule lowers it while training runs
         self._limit = 1.0
 
+    @property
+    def _fmt(self) -> RangeFloat | None:
+        o = self.options
+        return None if o.bits is None else range_float(o.bits, o.exponent_bits, None, o.rounding)
+
     # ----------------------------------------------------------------------------------------------
-    # the compression knob (AdjustableCompression)
+    # the compression knob (AdjustableCompression) and the state that keeps it over a resume
+    @property
+    def theta(self) -> float:
+        """The theta a schedule set last (the option ``theta`` until then)."""
+        return self._theta
+
     @property
     def effective_theta(self) -> float:
-        return min(self.theta, self._limit)
+        return min(self._theta, self._limit)
 
     @property
     def compression_level(self) -> float:
         """The theta in use: ``min(theta, compression_limit)``."""
         return self.effective_theta
+
+    def set_level(self, level: float) -> None:
+        """Set theta (at the same optimizer step on every rank: message sizes derive from it)."""
+        self._theta = check_fraction("theta", level, low_open=False, high_open=True)
 
     @property
     def compression_limit(self) -> float:
@@ -145,14 +168,14 @@ class FFTCodec(Codec):
         self._limit = check_fraction("compression_limit", value, low_open=False)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"theta": self.theta, "compression_limit": self._limit}
+        return {"theta": self._theta, "compression_limit": self._limit}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         unknown = set(state) - {"theta", "compression_limit"}
         if unknown:
             raise ValueError(f"codec 'fft' does not know the state entries {sorted(unknown)}")
         if "theta" in state:
-            self.theta = check_fraction("theta", state["theta"], low_open=False, high_open=True)
+            self.set_level(state["theta"])
         if "compression_limit" in state:
             self.compression_limit = state["compression_limit"]
 
@@ -164,19 +187,19 @@ class FFTCodec(Codec):
         ``K = N - floor(theta N)`` of the ``N = nb C`` coefficients; with ``selection="block"``,
         ``k = C - floor(theta C)`` in every block and ``K = nb k``.
         """
-        B = self.block_size
+        B = self.options.block_size
         nb = -(-numel // B)
         C = B // 2 + 1
         theta = self.effective_theta
         K = (
             nb * max(1, C - math.floor(theta * C))
-            if self.selection == "block"
+            if self.options.selection == "block"
             else max(1, nb * C - math.floor(theta * nb * C))
         )
         if K == nb * C:
             mode = "none"
-        elif self.positions != "auto":
-            mode = self.positions
+        elif self.options.positions != "auto":
+            mode = self.options.positions
         else:
             bitmap = packed_nbytes(nb * C, 1)
             indices = codes_nbytes(K, self._index_bits(nb, C))
@@ -185,7 +208,7 @@ class FFTCodec(Codec):
 
     def _index_bits(self, nb: int, C: int) -> int:
         # block selection sends block-local positions; layer selection positions in the whole layer
-        span = C if self.selection == "block" else nb * C
+        span = C if self.options.selection == "block" else nb * C
         return max(1, math.ceil(math.log2(span)))
 
     def payload_nbytes(self, numel: int) -> int:
@@ -197,7 +220,7 @@ class FFTCodec(Codec):
 
     # ----------------------------------------------------------------------------------------------
     def _spectrum(self, x: Tensor, nb: int) -> Tensor:
-        B = self.block_size
+        B = self.options.block_size
         pad = nb * B - x.numel()
         xb = torch.nn.functional.pad(x, (0, pad)) if pad else x
         return torch.fft.rfft(xb.view(nb, B), dim=1)
@@ -205,7 +228,7 @@ class FFTCodec(Codec):
     def _select(self, power: Tensor, K: int, gen: torch.Generator | None) -> Tensor:
         """Sorted flat positions of the ``K`` largest entries of ``power`` (``nb x C``)."""
         nb, C = power.shape
-        if self.selection == "block":
+        if self.options.selection == "block":
             k = K // nb
             local = torch.topk(power, k, dim=1, sorted=False).indices.sort(dim=1).values
             return (local + torch.arange(nb, device=power.device).unsqueeze(1) * C).reshape(-1)
@@ -217,8 +240,8 @@ class FFTCodec(Codec):
         nb, C, K, mode = self.layout(n)
         X = self._spectrum(x, nb).view(-1)
         gen = None
-        if self.rounding == "stochastic" or (mode != "none" and self.selection == "layer"):
-            gen = seeded_generator(self.seed, self.rank, step, key, x.device)
+        if self.options.rounding == "stochastic" or (mode != "none" and self.options.selection == "layer"):
+            gen = seeded_generator(self.options.seed, self.rank, step, key, x.device)
         if mode == "none":
             idx = None
             kept = X
@@ -231,19 +254,19 @@ class FFTCodec(Codec):
             payload = [vals.contiguous()]
             q = vals
         else:
-            header, codes = self._fmt.quantize(vals, gen if self.rounding == "stochastic" else None)
+            header, codes = self._fmt.quantize(vals, gen if self.options.rounding == "stochastic" else None)
             q = self._fmt.dequantize(header, codes)
             payload = [header, pack_codes(codes, self._fmt.bits)]
         if mode == "bitmap":
-            mask = torch.zeros(nb * C, dtype=torch.uint8, device=x.device)
-            mask[idx] = 1
-            payload.append(_pack_bitmap(mask))
+            mask = torch.zeros(nb * C, dtype=torch.bool, device=x.device)
+            mask[idx] = True
+            payload.append(pack_mask(mask))
         elif mode == "indices":
-            pos = idx if self.selection == "layer" else idx.view(nb, -1) % C
+            pos = idx if self.options.selection == "layer" else idx.view(nb, -1) % C
             payload.append(pack_codes(pos.reshape(-1).to(torch.int32), self._index_bits(nb, C)))
         spec = torch.zeros(nb * C, dtype=X.dtype, device=x.device)
         self._add(spec, idx, q)
-        local = torch.fft.irfft(spec.view(nb, C), n=self.block_size, dim=1).reshape(-1)[:n]
+        local = torch.fft.irfft(spec.view(nb, C), n=self.options.block_size, dim=1).reshape(-1)[:n]
         return EncodeResult(payload, local=local, ctx=(nb, C, K, mode))
 
     @staticmethod
@@ -265,10 +288,10 @@ class FFTCodec(Codec):
         if mode == "none":
             return None, vals
         if mode == "bitmap":
-            idx = positions_of_ones(_unpack_bitmap(rest[0], nb * C), K)  # ascending, as the values were sent
+            idx = positions_of_ones(unpack_mask(rest[0], nb * C), K)  # ascending, as the values were sent
         else:
             idx = unpack_codes(rest[0], self._index_bits(nb, C), K).long()
-            if self.selection == "block":
+            if self.options.selection == "block":
                 idx = (idx.view(nb, -1) + torch.arange(nb, device=idx.device).unsqueeze(1) * C).view(-1)
         return idx, vals
 
@@ -281,25 +304,4 @@ class FFTCodec(Codec):
         for p in payloads:  # the FFT is linear: sum the spectra, invert once
             idx, vals = self._unpack(p, ctx)
             self._add(spec, idx, vals)
-        return torch.fft.irfft(spec.view(nb, C), n=self.block_size, dim=1).reshape(-1)[:numel]
-
-
-@functools.lru_cache(maxsize=None)
-def _bit_weights(device: torch.device) -> Tensor:
-    """``[1, 2, 4, ..., 128]`` as uint8 on ``device``, made once per device (a copy to a GPU waits)."""
-    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).to(device)
-
-
-_BIT_WEIGHTS = _bit_weights(torch.device("cpu"))
-
-
-def _pack_bitmap(mask: Tensor) -> Tensor:
-    """0/1 uint8 -> bits, eight to a byte (little-endian, as ``pack_bits(mask, 1)``), without int32 copies."""
-    pad = (-mask.numel()) % 8
-    if pad:
-        mask = torch.cat([mask, mask.new_zeros(pad)])
-    return (mask.view(-1, 8) * _bit_weights(mask.device)).sum(1, dtype=torch.uint8)
-
-
-def _unpack_bitmap(packed: Tensor, n: int) -> Tensor:
-    return ((packed.unsqueeze(1) & _bit_weights(packed.device)) != 0).view(-1)[:n]
+        return torch.fft.irfft(spec.view(nb, C), n=self.options.block_size, dim=1).reshape(-1)[:numel]

@@ -22,10 +22,7 @@ class FP16Codec(Codec):
 
     collective = "allreduce"
     wire_dtype = torch.float16
-
-    def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("min_numel", 0)
-        super().__init__(**kwargs)
+    harness_defaults = {"min_numel": 0}
 
     def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
         half = (x / self.world_size).to(torch.float16)

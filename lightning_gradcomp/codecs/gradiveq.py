@@ -64,29 +64,33 @@ Where the basis comes from (``basis_source``):
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gradcomp.codecs.base import (
     Codec,
     CodecContext,
+    CodecOptions,
     EncodeResult,
+    LearnedState,
+    MultiRound,
+    RoundContext,
     check_choice,
     check_fraction,
     check_positive_int,
     check_run_steps,
     run_steps,
 )
-from lightning_gradcomp.codecs.qsgd import seeded_generator
+from lightning_gradcomp.codecs.sampling import seeded_generator
+from lightning_gradcomp.comm import digest
 from lightning_gradcomp.registry import register_codec
 
-__all__ = ["GradiVeQCodec", "fit_pca", "PHASES"]
+__all__ = ["GradiVeQCodec", "GradiVeQOptions", "fit_pca", "PHASES"]
 
 #: numeric codes of the phases, as logged by :class:`~lightning_gradcomp.callbacks.PCAWarmup`
 PHASES = {"warmup": 0, "compress": 1, "refresh": 2}
@@ -165,8 +169,62 @@ def _field_powers(b: int, f: int, device: torch.device) -> Tensor:
     return torch.tensor([float(1 << (b * i)) for i in range(f)], dtype=torch.float32).to(device)
 
 
+@dataclass(frozen=True)
+class GradiVeQOptions(CodecOptions):
+    """The options of :class:`GradiVeQCodec` (documented there)."""
+
+    slice_dim: int = 64
+    num_components: int | None = None
+    basis_source: str = "leader"
+    refit_every: int = 1
+    variance_target: float | None = None
+    warmup_steps: int | float = 0.05
+    refresh_every: int = 2000
+    refresh_window: int = 20
+    max_samples: int = 16384
+    basis: str = "layer"
+    center: bool = False
+    quant_levels: int = 7
+    seed: int = 0
+
+    def check(self) -> None:
+        check_choice("basis_source", self.basis_source, BASIS_SOURCES)
+        check_positive_int("refit_every", self.refit_every)
+        slice_dim = self.slice_dim
+        check_positive_int("slice_dim", slice_dim)
+        if slice_dim < 2:
+            raise ValueError(f"slice_dim must be an integer >= 2, got {slice_dim!r}")
+        num_components = self.num_components
+        if num_components is not None:
+            check_positive_int("num_components", num_components)
+            if num_components > slice_dim:
+                raise ValueError(f"num_components must be in [1, slice_dim={slice_dim}], got {num_components}")
+        if self.variance_target is not None:
+            self._set("variance_target", check_fraction("variance_target", self.variance_target))
+        check_positive_int("max_samples", self.max_samples)
+        check_choice("basis", self.basis, ["layer", "shared"])
+        if self.variance_target is not None and self.basis_source == "leader":
+            raise ValueError("variance_target needs basis_source='aggregate' (the leader keeps a fixed k)")
+        if self.basis == "shared" and self.basis_source == "leader":
+            raise ValueError("basis='shared' needs basis_source='aggregate' (the leader fits one basis per layer)")
+        self._set("center", bool(self.center))
+        quant_levels = self.quant_levels
+        check_positive_int("quant_levels", quant_levels, allow_zero=True)
+        if 2 * quant_levels + 1 > 2**_EXACT_BITS // 2:
+            raise ValueError(
+                f"quant_levels must be in [0, {2 ** (_EXACT_BITS - 2) - 1}] (0 = no quantization), got {quant_levels}"
+            )
+        self._set("seed", int(self.seed))
+        warmup_steps = check_run_steps("warmup_steps", self.warmup_steps)
+        if warmup_steps == 0:
+            raise ValueError("warmup_steps must be >= 1 (the first basis is fitted on it), or a fraction of the run")
+        self._set("warmup_steps", warmup_steps)
+        check_positive_int("refresh_every", self.refresh_every, allow_zero=True)
+        check_positive_int("refresh_window", self.refresh_window)
+
+
 @register_codec("gradiveq")
-class GradiVeQCodec(Codec):
+class GradiVeQCodec(LearnedState, MultiRound, Codec):
     """GradiVeQ: project slices of each layer's gradient onto a shared PCA basis, all-reduce the codes.
 
     Args:
@@ -208,61 +266,15 @@ class GradiVeQCodec(Codec):
     """
 
     collective = "allreduce"
-    default_error_feedback = False
+    Options = GradiVeQOptions
+    harness_defaults = {"min_numel": 4096}
 
-    def __init__(
-        self,
-        slice_dim: int = 64,
-        num_components: int | None = None,
-        basis_source: str = "leader",
-        refit_every: int = 1,
-        variance_target: float | None = None,
-        warmup_steps: int | float = 0.05,
-        refresh_every: int = 2000,
-        refresh_window: int = 20,
-        max_samples: int = 16384,
-        basis: str = "layer",
-        center: bool = False,
-        quant_levels: int = 7,
-        seed: int = 0,
-        min_numel: int = 4096,
-        error_feedback: bool | None = None,
-        **kwargs: Any,
-    ) -> None:
-        self.basis_source = check_choice("basis_source", basis_source, BASIS_SOURCES)
-        if error_feedback is None:
-            error_feedback = self.basis_source == "leader"
-        super().__init__(min_numel=min_numel, error_feedback=error_feedback, **kwargs)
-        self.refit_every = check_positive_int("refit_every", refit_every)
-        check_positive_int("slice_dim", slice_dim)
-        if slice_dim < 2:
-            raise ValueError(f"slice_dim must be an integer >= 2, got {slice_dim!r}")
-        if num_components is not None:
-            check_positive_int("num_components", num_components)
-            if num_components > slice_dim:
-                raise ValueError(f"num_components must be in [1, slice_dim={slice_dim}], got {num_components}")
-        if variance_target is not None:
-            variance_target = check_fraction("variance_target", variance_target)
-        self.slice_dim = int(slice_dim)
-        self.variance_target = variance_target
-        if num_components is None:
-            num_components = self.slice_dim if variance_target is not None else min(4, self.slice_dim)
-        self.num_components = int(num_components)
-        self.max_samples = check_positive_int("max_samples", max_samples)
-        self.basis = check_choice("basis", basis, ["layer", "shared"])
-        if variance_target is not None and self.basis_source == "leader":
-            raise ValueError("variance_target needs basis_source='aggregate' (the leader keeps a fixed k)")
-        if self.basis == "shared" and self.basis_source == "leader":
-            raise ValueError("basis='shared' needs basis_source='aggregate' (the leader fits one basis per layer)")
-        self.center = bool(center)
-        check_positive_int("quant_levels", quant_levels, allow_zero=True)
-        if 2 * quant_levels + 1 > 2**_EXACT_BITS // 2:
-            raise ValueError(
-                f"quant_levels must be in [0, {2 ** (_EXACT_BITS - 2) - 1}] (0 = no quantization), got {quant_levels}"
-            )
-        self.quant_levels = int(quant_levels)
-        self.seed = int(seed)
-        self.configure(warmup_steps=warmup_steps, refresh_every=refresh_every, refresh_window=refresh_window)
+    def __init__(self, **options: Any) -> None:
+        # error_feedback's default depends on an option: on with the "leader" source, off with
+        # "aggregate" (a harness default cannot express that); an explicit value (not None) wins
+        if options.get("error_feedback") is None:
+            options["error_feedback"] = options.get("basis_source", GradiVeQOptions.basis_source) == "leader"
+        super().__init__(**options)
         # learned state, identical on every rank
         self._bases: dict[str, Tensor] = {}  # float64 masters (checkpointed)
         self._means: dict[str, Tensor] = {}
@@ -271,7 +283,7 @@ class GradiVeQCodec(Codec):
         self._mu32: dict[str, Tensor] = {}
         self._fits = 0
         self._last_fit_step = -1
-        self._current_step = 0
+        self._current_step = 0  # the latest step seen by observe_dense, prepare_bucket or on_step_end
         # sample buffers of the current window (not checkpointed: a resumed window refits on fewer)
         self._samples: dict[str, list[Tensor]] = {}
         self._sample_lock = threading.Lock()
@@ -288,33 +300,26 @@ class GradiVeQCodec(Codec):
         self.__dict__.update(state)
         self._sample_lock = threading.Lock()
 
-    def configure(
-        self, *, warmup_steps: int | None = None, refresh_every: int | None = None, refresh_window: int | None = None
-    ) -> None:
-        """Set the schedule (used by :class:`~lightning_gradcomp.callbacks.PCAWarmup`), validated."""
-        if warmup_steps is not None:
-            warmup_steps = check_run_steps("warmup_steps", warmup_steps)
-            if warmup_steps == 0:
-                raise ValueError(
-                    "warmup_steps must be >= 1 (the first basis is fitted on it), or a fraction of the run"
-                )
-            self.warmup_steps = warmup_steps
-        if refresh_every is not None:
-            self.refresh_every = check_positive_int("refresh_every", refresh_every, allow_zero=True)
-        if refresh_window is not None:
-            self.refresh_window = check_positive_int("refresh_window", refresh_window)
-
     def setup(self, context: CodecContext) -> None:
         super().setup(context)
-        if self.quant_levels:
+        if self.options.quant_levels:
             self._field_bits()  # raises early when the world is too large for the levels
+
+    @property
+    def num_components(self) -> int:
+        """k, the option ``num_components`` resolved: by default ``slice_dim`` with
+        ``variance_target`` (an upper bound), else ``min(4, slice_dim)``."""
+        o = self.options
+        if o.num_components is not None:
+            return int(o.num_components)
+        return o.slice_dim if o.variance_target is not None else min(4, o.slice_dim)
 
     # ----------------------------------------------------------------------------------------------
     # schedule
     @property
     def warmup_end(self) -> int:
         """``warmup_steps`` in steps, resolved against the run's length."""
-        return run_steps(self.warmup_steps, self.run_total_steps, WARMUP_CAP)
+        return run_steps(self.options.warmup_steps, self.run_total_steps, WARMUP_CAP)
 
     def phase_at(self, step: int) -> str:
         """``"warmup"``, ``"compress"`` or ``"refresh"`` for optimizer step ``step`` (0-based).
@@ -323,28 +328,27 @@ class GradiVeQCodec(Codec):
         compressed steps and ``refresh_window`` uncompressed ones.
         """
         warmup = self.warmup_end
-        if self.basis_source == "leader":
+        if self.options.basis_source == "leader":
             return "compress"
         if step < warmup:
             return "warmup"
-        if self.refresh_every == 0:
+        if self.options.refresh_every == 0:
             return "compress"
-        u = (step - warmup) % (self.refresh_every + self.refresh_window)
-        return "compress" if u < self.refresh_every else "refresh"
+        u = (step - warmup) % (self.options.refresh_every + self.options.refresh_window)
+        return "compress" if u < self.options.refresh_every else "refresh"
 
     def _fits_after(self, step: int) -> bool:
         """Whether a window ends with step ``step`` (the basis is fitted after it)."""
-        if self.basis_source == "leader":
+        if self.options.basis_source == "leader":
             return False
         if step == self.warmup_end - 1:
             return True
         return self.phase_at(step) == "refresh" and self.phase_at(step + 1) != "refresh"
 
     def is_compressing(self, step: int) -> bool:
-        self._current_step = max(self._current_step, step)
-        if self.basis_source == "leader":  # the first compressed step fits its own bases
-            return step >= self.start_step
-        return step >= self.start_step and self.phase_at(step) == "compress" and bool(self._bases)
+        if self.options.basis_source == "leader":  # the first compressed step fits its own bases
+            return step >= self.harness.start_step
+        return step >= self.harness.start_step and self.phase_at(step) == "compress" and bool(self._bases)
 
     @property
     def fitted(self) -> bool:
@@ -359,7 +363,8 @@ class GradiVeQCodec(Codec):
 
     @property
     def phase(self) -> str:
-        """The phase of the latest step the codec was asked about."""
+        """The phase of the latest step the codec saw (in :meth:`observe_dense`,
+        :meth:`prepare_bucket` or :meth:`on_step_end`)."""
         return self.phase_at(self._current_step)
 
     @property
@@ -379,17 +384,17 @@ class GradiVeQCodec(Codec):
         self._current_step = max(self._current_step, step)
         if self.phase_at(step) == "compress":
             return
-        d = self.slice_dim
+        d = self.options.slice_dim
         s = mean_grad.numel() // d
         if s == 0:
             return
         warmup = self.warmup_end
-        window = warmup if step < warmup else self.refresh_window
-        m = min(s, -(-self.max_samples // window))
+        window = warmup if step < warmup else self.options.refresh_window
+        m = min(s, -(-self.options.max_samples // window))
         slices = mean_grad[: s * d].detach().view(s, d)
         if m < s:
             # the same rows on every rank: the generator depends on the seed, layer and step only
-            gen = seeded_generator(self.seed, 0, step, key, torch.device("cpu"))
+            gen = seeded_generator(self.options.seed, 0, step, key, torch.device("cpu"))
             rows = torch.randperm(s, generator=gen)[:m].to(slices.device)
             slices = slices.index_select(0, rows)
         sample = slices.to(torch.float32).clone()
@@ -398,30 +403,31 @@ class GradiVeQCodec(Codec):
             buf.append(sample)
             # keep the newest max_samples rows: memory stays bounded
             total = sum(t.shape[0] for t in buf)
-            while total - buf[0].shape[0] >= self.max_samples:
+            while total - buf[0].shape[0] >= self.options.max_samples:
                 total -= buf.pop(0).shape[0]
 
     def on_step_end(self, step: int) -> None:
+        self._current_step = max(self._current_step, step)
         if self._fits_after(step):
             self.fit(step)
 
     def fit(self, step: int) -> None:
         """Fit the bases on the samples of the window that just ended, then check all ranks agree."""
         with self._sample_lock:
-            samples = {k: torch.cat(v)[-self.max_samples :] for k, v in self._samples.items() if v}
+            samples = {k: torch.cat(v)[-self.options.max_samples :] for k, v in self._samples.items() if v}
             self._samples = {}
         if not samples:
             return
-        kk = self.num_components
-        if self.basis == "shared":
+        o, kk = self.options, self.num_components
+        if o.basis == "shared":
             pooled = torch.cat([samples[k] for k in sorted(samples)])
-            if pooled.shape[0] > self.max_samples:
-                gen = seeded_generator(self.seed, 0, step, _SHARED, torch.device("cpu"))
-                pooled = pooled[torch.randperm(pooled.shape[0], generator=gen)[: self.max_samples]]
-            u, mu, ev = fit_pca(pooled.cpu(), kk, self.variance_target, self.center)
+            if pooled.shape[0] > o.max_samples:
+                gen = seeded_generator(o.seed, 0, step, _SHARED, torch.device("cpu"))
+                pooled = pooled[torch.randperm(pooled.shape[0], generator=gen)[: o.max_samples]]
+            u, mu, ev = fit_pca(pooled.cpu(), kk, o.variance_target, o.center)
             fitted = {_SHARED: (u, mu, ev)}
         else:
-            fitted = {k: fit_pca(x.cpu(), kk, self.variance_target, self.center) for k, x in samples.items()}
+            fitted = {k: fit_pca(x.cpu(), kk, o.variance_target, o.center) for k, x in samples.items()}
         for key, (u, mu, ev) in fitted.items():
             self._bases[key], self._means[key], self._ev[key] = u, mu, ev
         self._refresh_working_copies()
@@ -435,52 +441,45 @@ class GradiVeQCodec(Codec):
         self._mu32 = {k: m.to(device=device, dtype=torch.float32) for k, m in self._means.items()}
 
     def basis_digest(self) -> int:
-        """A 62-bit SHA-256 digest of every basis and mean (what must match across ranks)."""
-        h = hashlib.sha256()
+        """A 62-bit digest of every basis and mean (what must match across ranks)."""
+        parts: list[str | Tensor] = []
         for key in sorted(self._bases):
-            h.update(key.encode())
-            h.update(self._bases[key].cpu().contiguous().numpy().tobytes())
-            h.update(self._means[key].cpu().contiguous().numpy().tobytes())
-        return int.from_bytes(h.digest()[:8], "little") >> 2
+            parts += [key, self._bases[key], self._means[key]]
+        return digest(*parts)
 
     def verify_identical(self) -> None:
-        """All-gather the basis digest and raise ``RuntimeError`` if any two ranks differ."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        """Compare the basis digest across the group's ranks and raise ``RuntimeError`` on every
+        rank if any two differ (nothing to compare on one rank or before :meth:`setup`)."""
+        if self.context is None:
             return
-        device = self.context.device if self.context is not None else torch.device("cpu")
-        mine = torch.tensor([self.basis_digest()], dtype=torch.int64, device=device)
-        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
-        digests = [int(t.item()) for t in every]
-        if len(set(digests)) > 1:
-            raise RuntimeError(
-                f"gradiveq: the PCA bases differ across ranks after the fit at step {self._last_fit_step} "
-                f"(digests by rank: {digests}); the summed coefficients would be meaningless. The bases are fitted "
-                "from the aggregated gradients, so this points to nondeterministic linear algebra across ranks "
-                "(different hardware or libraries)."
-            )
+        self.context.agree(
+            self.basis_digest(),
+            f"gradiveq: the PCA bases differ across ranks after the fit at step {self._last_fit_step}; the summed "
+            "coefficients would be meaningless. The bases are fitted from the aggregated gradients, so this points "
+            "to nondeterministic linear algebra across ranks (different hardware or libraries)",
+        )
 
     # ----------------------------------------------------------------------------------------------
     # the codec proper
     def _basis_key(self, key: str) -> str | None:
-        k = _SHARED if self.basis == "shared" else key
+        k = _SHARED if self.options.basis == "shared" else key
         return k if k in self._u32 else None
 
     def _coefficients(self, x: Tensor, bkey: str) -> Tensor:
-        d = self.slice_dim
+        d = self.options.slice_dim
         s = x.numel() // d
         g = x[: s * d].view(s, d)
-        if self.center:
+        if self.options.center:
             g = g - self._mu32[bkey]
         return g @ self._u32[bkey]
 
     def _field_bits(self) -> tuple[int, int]:
         """(b, F): bits of a packed field and fields per fp32 word for this world size."""
-        span = 2 * self.world_size * self.quant_levels
+        span = 2 * self.world_size * self.options.quant_levels
         b = max(1, math.ceil(math.log2(span + 1)))
         if b > _EXACT_BITS:
             raise ValueError(
-                f"quant_levels={self.quant_levels} with {self.world_size} ranks: level sums need {b} bits, "
+                f"quant_levels={self.options.quant_levels} with {self.world_size} ranks: level sums need {b} bits, "
                 f"more than the {_EXACT_BITS} an fp32 word holds exactly; use quant_levels <= "
                 f"{(2**_EXACT_BITS - 1) // (2 * self.world_size)}"
             )
@@ -489,13 +488,14 @@ class GradiVeQCodec(Codec):
     def _refit_from_leader(self, layers: list[tuple[str, Tensor, Tensor]], step: int) -> int:
         """``"leader"`` source: the leader fits each layer's basis on its own compensated gradient and
         broadcasts them (one message); every rank installs the same bases. Returns the bytes sent."""
-        d, kk = self.slice_dim, min(self.num_components, self.slice_dim)
+        d, kk = self.options.slice_dim, min(self.num_components, self.options.slice_dim)
         fitting = [(key, x) for key, x, _ in layers if x.numel() >= d]
-        due = (step - self.start_step) % self.refit_every == 0 or any(key not in self._u32 for key, _ in fitting)
+        due = (step - self.harness.start_step) % self.options.refit_every == 0
+        due = due or any(key not in self._u32 for key, _ in fitting)
         if not fitting or not due:
             return 0
         world = self.world_size
-        leader = step % world
+        leader = step % world  # a rank of the codec's group
         device = fitting[0][1].device
         msg = torch.empty(len(fitting), d, kk, dtype=torch.float32, device=device)
         if self.rank == leader:
@@ -514,7 +514,7 @@ class GradiVeQCodec(Codec):
                     previous = torch.eye(d, kk, dtype=torch.float32, device=device)
                 msg[i] = torch.where(finite[i], _directions(vecs[i], kk), previous)
         if world > 1:
-            dist.broadcast(msg, src=leader)
+            self.context.broadcast(msg, leader)
         for (key, _), u in zip(fitting, msg):
             self._u32[key] = u.clone()
             self._mu32[key] = torch.zeros(d, dtype=torch.float32, device=device)
@@ -526,12 +526,14 @@ class GradiVeQCodec(Codec):
         self._last_fit_step = int(step)
         return msg.numel() * msg.element_size() if world > 1 else 0
 
-    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], step: int) -> int:
+    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], rc: RoundContext) -> int:
         """``"leader"`` source: the bases of this step first (a broadcast, see
         :meth:`_refit_from_leader`). With quantization: one all-reduce(MAX) of ``max |c|`` per
         layer gives the shared scales."""
-        sent = self._refit_from_leader(layers, step) if self.basis_source == "leader" else 0
-        if not self.quant_levels:
+        step = rc.step
+        self._current_step = max(self._current_step, step)
+        sent = self._refit_from_leader(layers, step) if self.options.basis_source == "leader" else 0
+        if not self.options.quant_levels:
             return sent
         keys, amax = [], []
         for key, x, _ in layers:
@@ -545,8 +547,8 @@ class GradiVeQCodec(Codec):
         if not keys:
             return sent
         vec = torch.stack(amax).to(torch.float32)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+        if self.world_size > 1:
+            self.context.all_reduce(vec, "max")
         for key, a in zip(keys, vec):
             self._scales[key] = a
         return sent + vec.numel() * vec.element_size()
@@ -555,16 +557,16 @@ class GradiVeQCodec(Codec):
         bkey = self._basis_key(key)
         if bkey is None:  # no basis for this layer (never observed): it travels raw, still summable
             return EncodeResult([x.clone()], local=x.clone(), ctx=None)
-        d = self.slice_dim
+        d = self.options.slice_dim
         s = x.numel() // d
         tail = x[s * d :].clone()
         cached = self._coef_cache.pop(key, None)
         c = cached[1] if cached is not None and cached[0] == x.data_ptr() else self._coefficients(x, bkey)
-        if self.quant_levels:
+        if self.options.quant_levels:
             scale = self._scales.pop(key, None)
             if scale is None:
                 raise RuntimeError("gradiveq: quantized encode without a shared scale (prepare_bucket did not run)")
-            gen = seeded_generator(self.seed, self.rank, step, key, x.device)
+            gen = seeded_generator(self.options.seed, self.rank, step, key, x.device)
             coef = self._quantize(c, scale, gen)
         else:
             coef = c.reshape(-1)
@@ -572,7 +574,7 @@ class GradiVeQCodec(Codec):
         return EncodeResult([coef, tail], ctx=(bkey, s))
 
     def _quantize(self, c: Tensor, scale: Tensor, gen: torch.Generator) -> Tensor:
-        s = self.quant_levels
+        s = self.options.quant_levels
         b, f = self._field_bits()
         # the scale stays a 0-d tensor (no host sync): s / a in fp64 rounded once to fp32, as the
         # Python float it replaces; a scale of 0 (or NaN) sends zeros
@@ -590,7 +592,7 @@ class GradiVeQCodec(Codec):
         return torch.cat([words, scale.reshape(1).to(torch.float32)])
 
     def _dequantize(self, words: Tensor, n: int, count: int) -> Tensor:
-        s = self.quant_levels
+        s = self.options.quant_levels
         b, f = self._field_bits()
         # the shared scale, summed over count ranks; a 0-d tensor, with the arithmetic of the
         # Python floats it replaces (fp64, rounded once to fp32)
@@ -607,21 +609,21 @@ class GradiVeQCodec(Codec):
         bkey, s = ctx
         coef, tail = payload
         k = self._u32[bkey].shape[1]
-        c = self._dequantize(coef, s * k, count) if self.quant_levels else coef.to(torch.float32)
-        d = self.slice_dim
+        c = self._dequantize(coef, s * k, count) if self.options.quant_levels else coef.to(torch.float32)
+        d = self.options.slice_dim
         out = torch.empty(numel, dtype=torch.float32, device=c.device)
         g = out[: s * d].view(s, d)
         torch.matmul(c.view(s, k), self._u32[bkey].T, out=g)  # written in place: no extra copy
-        if self.center:
+        if self.options.center:
             g += count * self._mu32[bkey]
         out[s * d :] = tail
         return out
 
     def payload_numel(self, numel: int) -> int:
         """fp32 values this codec puts on the wire for a layer of ``numel`` values (with a basis of k)."""
-        d, k = self.slice_dim, self.num_components
+        d, k = self.options.slice_dim, self.num_components
         s = numel // d
-        if self.quant_levels:
+        if self.options.quant_levels:
             _, f = self._field_bits()
             return -(-(s * k) // f) + 1 + numel - s * d
         return s * k + numel - s * d
@@ -635,15 +637,16 @@ class GradiVeQCodec(Codec):
             "explained_variance": {k: v.detach().cpu().clone() for k, v in self._ev.items()},
             "fits": self._fits,
             "last_fit_step": self._last_fit_step,
-            "slice_dim": self.slice_dim,
+            "slice_dim": self.options.slice_dim,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
             return
-        if int(state["slice_dim"]) != self.slice_dim:
+        slice_dim = self.options.slice_dim
+        if int(state["slice_dim"]) != slice_dim:
             raise ValueError(
-                f"checkpoint bases have slice_dim={state['slice_dim']}, this codec has slice_dim={self.slice_dim}"
+                f"checkpoint bases have slice_dim={state['slice_dim']}, this codec has slice_dim={slice_dim}"
             )
         self._bases = {k: v.to(torch.float64).cpu() for k, v in state["bases"].items()}
         self._means = {k: v.to(torch.float64).cpu() for k, v in state["means"].items()}

@@ -23,18 +23,22 @@ a ``.then`` callback. It runs in the default process group.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gradcomp.codecs.base import (
     Codec,
     CodecContext,
+    CodecOptions,
     DensityWarmup,
     EncodeResult,
+    MultiRound,
+    RoundContext,
     check_choice,
+    check_density_warmup,
     check_fraction,
 )
 from lightning_gradcomp.codecs.positions import (
@@ -47,16 +51,7 @@ from lightning_gradcomp.codecs.positions import (
 from lightning_gradcomp.codecs.sampling import select_top
 from lightning_gradcomp.registry import register_codec
 
-__all__ = [
-    "IWPCodec",
-    "importance",
-    "select_top",
-    "root_rank",
-    "choose_encoding",
-    "encoded_nbytes",
-    "encode_positions",
-    "decode_positions",
-]
+__all__ = ["IWPCodec", "importance", "root_rank"]
 
 ROOTS = ("random", "round_robin")
 SCOPES = ("bucket", "layer")
@@ -125,8 +120,35 @@ def importance(a: Tensor, w: Tensor, eps: float, out: Tensor | None = None) -> T
 
 
 # --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class IWPOptions(CodecOptions):
+    keep_fraction: float = 1 / 64
+    index_encoding: str = "auto"
+    root: str = "random"
+    seed: int = 0
+    eps: float = 1e-6
+    scope: str = "bucket"
+    sample_fraction: float = 0.01
+    density_warmup: int | float = 0
+    density_warmup_start: float = 0.25
+
+    def check(self) -> None:
+        check_density_warmup(self)
+        self._set("keep_fraction", check_fraction("keep_fraction", self.keep_fraction))
+        check_choice("index_encoding", self.index_encoding, ENCODINGS)
+        check_choice("root", self.root, ROOTS)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        eps = self.eps
+        if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+            raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+        self._set("eps", float(eps))
+        check_choice("scope", self.scope, SCOPES)
+        self._set("sample_fraction", check_fraction("sample_fraction", self.sample_fraction, low_open=False))
+
+
 @register_codec("iwp")
-class IWPCodec(Codec):
+class IWPCodec(MultiRound, Codec):
     """Importance-weighted pruning with a shared, broadcast index set.
 
     Args:
@@ -155,36 +177,12 @@ class IWPCodec(Codec):
     """
 
     collective = "allreduce"
-    default_error_feedback = True
+    Options = IWPOptions
+    harness_defaults = {"error_feedback": True}
     sparse_local = True  # momentum factor masking applies
 
-    def __init__(
-        self,
-        keep_fraction: float = 1 / 64,
-        index_encoding: str = "auto",
-        root: str = "random",
-        seed: int = 0,
-        eps: float = 1e-6,
-        scope: str = "bucket",
-        sample_fraction: float = 0.01,
-        density_warmup: int | float = 0,
-        density_warmup_start: float = 0.25,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self._density = DensityWarmup(density_warmup, density_warmup_start)
-        self.density_warmup, self.density_warmup_start = self._density.steps, self._density.start
-        self.keep_fraction = check_fraction("keep_fraction", keep_fraction)
-        self.index_encoding = check_choice("index_encoding", index_encoding, ENCODINGS)
-        self.root = check_choice("root", root, ROOTS)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        self.seed = seed
-        if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
-            raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
-        self.eps = float(eps)
-        self.scope = check_choice("scope", scope, SCOPES)
-        self.sample_fraction = check_fraction("sample_fraction", sample_fraction, low_open=False)
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
         self._plan: dict[str, Tensor] = {}  # key -> this step's positions in the layer
         self._generator: torch.Generator | None = None
         #: introspection of the last bucket: root rank, encodings used and bytes broadcast
@@ -192,47 +190,36 @@ class IWPCodec(Codec):
         self.last_encodings: list[str] = []
         self.last_index_bytes = 0
 
-    def setup(self, context: CodecContext) -> None:
-        super().setup(context)
-        if dist.is_available() and dist.is_initialized() and context.world_size != dist.get_world_size():
-            raise ValueError(
-                "iwp broadcasts its index set in the default process group; it cannot run in a "
-                f"process group of {context.world_size} of the {dist.get_world_size()} ranks"
-            )
-
     def k_for(self, numel: int, step: int | None = None) -> int:
         """Entries kept of a selection group of ``numel`` at ``step`` (``None``: after any warm-up)."""
-        keep = self.keep_fraction
-        if step is not None:
-            keep = self._density.fraction(keep, step, self.start_step, self.run_total_steps)
-        return max(1, min(numel, math.ceil(keep * numel)))
+        return DensityWarmup.of(self.options).kept(numel, self.options.keep_fraction, step, self)
 
     def _groups(self, layers: list[tuple[str, Tensor, Tensor]]) -> list[list[tuple[str, Tensor, Tensor]]]:
-        return [layers] if self.scope == "bucket" else [[layer] for layer in layers]
+        return [layers] if self.options.scope == "bucket" else [[layer] for layer in layers]
 
     def _select(self, group: list[tuple[str, Tensor, Tensor]], k: int) -> Tensor:
         n = sum(x.numel() for _, x, _ in group)
         s = torch.empty(n, dtype=torch.float32, device=group[0][1].device)
         off = 0
         for _, x, p in group:
-            importance(x, p, self.eps, out=s[off : off + x.numel()])
+            importance(x, p, self.options.eps, out=s[off : off + x.numel()])
             off += x.numel()
         if self._generator is None or self._generator.device != s.device:
             self._generator = torch.Generator(device=s.device)
-            self._generator.manual_seed(_splitmix64(self.seed ^ (0x5EED << 20) ^ self.rank) & ((1 << 63) - 1))
-        return select_top(s, k, self.sample_fraction, self._generator)
+            self._generator.manual_seed(_splitmix64(self.options.seed ^ (0x5EED << 20) ^ self.rank) & ((1 << 63) - 1))
+        return select_top(s, k, self.options.sample_fraction, self._generator)
 
-    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], step: int) -> int:
+    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], rc: RoundContext) -> int:
         """Pick this bucket's positions on the root, broadcast them, and plan every layer's payload.
 
         Returns the bytes of the broadcast message (the code of every selection group).
         """
-        world = self.world_size
-        root = root_rank(step, world, self.root, self.seed)
+        step, world = rc.step, rc.comm.world_size
+        root = root_rank(step, world, self.options.root, self.options.seed)
         groups = self._groups(layers)
         sizes = [sum(x.numel() for _, x, _ in g) for g in groups]
         ks = [self.k_for(n, step) for n in sizes]
-        encs = [choose_encoding(self.index_encoding, k, n) for k, n in zip(ks, sizes)]
+        encs = [choose_encoding(self.options.index_encoding, k, n) for k, n in zip(ks, sizes)]
         nbytes = [encoded_nbytes(e, k, n) for e, k, n in zip(encs, ks, sizes)]
         device = layers[0][1].device
         positions: list[Tensor | None] = [None] * len(groups)
@@ -244,7 +231,7 @@ class IWPCodec(Codec):
                 msg = torch.cat([encode_positions(p, n, e) for p, n, e in zip(positions, sizes, encs)])
             else:
                 msg = torch.empty(total, dtype=torch.uint8, device=device)
-            dist.broadcast(msg, src=root)
+            rc.comm.broadcast(msg, root)
             off = 0
             for i, (k, n, e, b) in enumerate(zip(ks, sizes, encs, nbytes)):
                 if self.rank != root:
@@ -274,7 +261,7 @@ class IWPCodec(Codec):
         if idx is None:  # called outside the hook (single process): plan this layer alone
             if self.world_size > 1:
                 raise RuntimeError("iwp.encode needs prepare_bucket first when running distributed")
-            self.prepare_bucket([(key, x, param)], step)
+            self.prepare_bucket([(key, x, param)], RoundContext(step, CodecContext(0, 1, x.device)))
             idx = self._plan.pop(key)
         values = x[idx]
         local = torch.zeros_like(x)

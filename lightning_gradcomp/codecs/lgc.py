@@ -40,22 +40,28 @@ sum of those per-rank reconstructions, so error feedback is exact only up to tha
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_gradcomp import comm
 from lightning_gradcomp.codecs.base import (
     Codec,
     CodecContext,
+    CodecOptions,
+    Collective,
     EncodeResult,
+    HarnessOptions,
+    LearnedState,
+    MultiRound,
+    RoundContext,
     check_choice,
     check_fraction,
     check_positive_int,
@@ -63,10 +69,10 @@ from lightning_gradcomp.codecs.base import (
     run_steps,
 )
 from lightning_gradcomp.codecs.positions import choose_encoding, decode_positions, encode_positions, encoded_nbytes
-from lightning_gradcomp.codecs.sampling import select_top
+from lightning_gradcomp.codecs.sampling import keep_count, select_top
 from lightning_gradcomp.registry import register_codec
 
-__all__ = ["LGCCodec", "GradientAutoencoder", "MIN_AE_LEN"]
+__all__ = ["LGCCodec", "LGCOptions", "GradientAutoencoder", "MIN_AE_LEN"]
 
 #: layers with fewer kept values than this bypass the AE (four stride-2 convolutions need ~31)
 MIN_AE_LEN = 64
@@ -132,8 +138,59 @@ class GradientAutoencoder(nn.Module):
         return self.head(y).squeeze(1)
 
 
+@dataclass(frozen=True)
+class LGCOptions(CodecOptions):
+    """The options of :class:`LGCCodec` (documented there)."""
+
+    variant: str = "rar"
+    warmup_steps: int | float = 0.05
+    ae_train_steps: int | float = 0.1
+    ratio: float = 1e-2
+    innovation_ratio: float = 1e-5
+    latent_channels: int = 4
+    ae_width: int = 16
+    ae_lr: float = 1e-3
+    ae_epochs: int = 3
+    ae_time_budget_s: float = 30.0
+    ae_samples: int = 64
+    selection: str = "sampled"
+    max_recon_error: float = 0.3
+    ae_error_feedback: bool = True
+    seed: int = 0
+
+    def check(self) -> None:
+        check_choice("variant", self.variant, VARIANTS)
+        self._set("warmup_steps", check_run_steps("warmup_steps", self.warmup_steps))
+        self._set("ae_train_steps", check_run_steps("ae_train_steps", self.ae_train_steps))
+        if self.ae_train_steps == 0:
+            raise ValueError("ae_train_steps must be >= 1 step (or a fraction of the run): the AE trains on stage 2")
+        self._set("ratio", check_fraction("ratio", self.ratio))
+        self._set("innovation_ratio", check_fraction("innovation_ratio", self.innovation_ratio))
+        if self.innovation_ratio >= self.ratio:
+            raise ValueError(f"innovation_ratio must be below ratio ({self.ratio}), got {self.innovation_ratio}")
+        check_positive_int("latent_channels", self.latent_channels)
+        check_positive_int("ae_width", self.ae_width)
+        ae_lr = self.ae_lr
+        if not (isinstance(ae_lr, (int, float)) and math.isfinite(ae_lr) and ae_lr > 0):
+            raise ValueError(f"ae_lr must be a positive number, got {ae_lr!r}")
+        self._set("ae_lr", float(ae_lr))
+        check_positive_int("ae_epochs", self.ae_epochs)
+        budget = self.ae_time_budget_s
+        if not (isinstance(budget, (int, float)) and budget > 0):
+            raise ValueError(f"ae_time_budget_s must be a positive number of seconds, got {budget!r}")
+        self._set("ae_time_budget_s", float(budget))
+        check_positive_int("ae_samples", self.ae_samples)
+        check_choice("selection", self.selection, SELECTIONS)
+        max_recon_error = self.max_recon_error
+        if not (isinstance(max_recon_error, (int, float)) and max_recon_error > 0):
+            raise ValueError(f"max_recon_error must be a positive number, got {max_recon_error!r}")
+        self._set("max_recon_error", float(max_recon_error))
+        self._set("ae_error_feedback", bool(self.ae_error_feedback))
+        self._set("seed", int(self.seed))
+
+
 @register_codec("lgc")
-class LGCCodec(Codec):
+class LGCCodec(LearnedState, MultiRound, Codec):
     """Learned Gradient Compression with a shared support (see the module docstring).
 
     Args:
@@ -176,78 +233,43 @@ class LGCCodec(Codec):
             choice). ``gradcomp/rel_error`` includes the AE's error either way.
         seed: seeds the AE initialization, its training and the sampling.
         **kwargs: the common codec options (``error_feedback`` on by default, ``min_numel``;
-            ``lr_scaled_feedback`` is on by default here, see :class:`~lightning_gradcomp.codecs.base.Codec`).
+            ``lr_scaled_feedback`` is on by default here, see :class:`~lightning_gradcomp.codecs.base.HarnessOptions`).
     """
 
-    default_error_feedback = True
+    # stage 2 gathers every rank's values (the AE's training data); RAR's stage 3 sums latents
+    # (collective_at)
+    collective = "allgather"
+    Options = LGCOptions
+    # error feedback in units of the update by default: measured to help this codec under the
+    # recipes' cosine schedule (docs/codecs/lgc.md); the base drops it when error feedback is off
+    harness_defaults = {"error_feedback": True, "lr_scaled_feedback": True}
     sparse_local = True  # momentum factor masking applies
 
-    def __init__(
-        self,
-        variant: str = "rar",
-        warmup_steps: int | float = 0.05,
-        ae_train_steps: int | float = 0.1,
-        ratio: float = 1e-2,
-        innovation_ratio: float = 1e-5,
-        latent_channels: int = 4,
-        ae_width: int = 16,
-        ae_lr: float = 1e-3,
-        ae_epochs: int = 3,
-        ae_time_budget_s: float = 30.0,
-        ae_samples: int = 64,
-        selection: str = "sampled",
-        max_recon_error: float = 0.3,
-        ae_error_feedback: bool = True,
-        seed: int = 0,
-        **kwargs: Any,
-    ) -> None:
-        if "start_step" in kwargs:
-            raise ValueError("lgc schedules its stages with warmup_steps and ae_train_steps, not start_step")
-        # error feedback in units of the update by default: measured to help this codec under the
-        # recipes' cosine schedule (docs/codecs/lgc.md); it needs error feedback
-        kwargs.setdefault("lr_scaled_feedback", kwargs.get("error_feedback") is not False)
-        super().__init__(**kwargs)
-        self.variant = check_choice("variant", variant, VARIANTS)
-        self.warmup_steps = check_run_steps("warmup_steps", warmup_steps)
-        self.ae_train_steps = check_run_steps("ae_train_steps", ae_train_steps)
-        if self.ae_train_steps == 0:
-            raise ValueError("ae_train_steps must be >= 1 step (or a fraction of the run): the AE trains on stage 2")
-        self.ratio = check_fraction("ratio", ratio)
-        self.innovation_ratio = check_fraction("innovation_ratio", innovation_ratio)
-        if self.innovation_ratio >= self.ratio:
-            raise ValueError(f"innovation_ratio must be below ratio ({self.ratio}), got {self.innovation_ratio}")
-        self.latent_channels = check_positive_int("latent_channels", latent_channels)
-        self.ae_width = check_positive_int("ae_width", ae_width)
-        if not (isinstance(ae_lr, (int, float)) and math.isfinite(ae_lr) and ae_lr > 0):
-            raise ValueError(f"ae_lr must be a positive number, got {ae_lr!r}")
-        self.ae_lr = float(ae_lr)
-        self.ae_epochs = check_positive_int("ae_epochs", ae_epochs)
-        if not (isinstance(ae_time_budget_s, (int, float)) and ae_time_budget_s > 0):
-            raise ValueError(f"ae_time_budget_s must be a positive number of seconds, got {ae_time_budget_s!r}")
-        self.ae_time_budget_s = float(ae_time_budget_s)
-        self.ae_samples = check_positive_int("ae_samples", ae_samples)
-        self.selection = check_choice("selection", selection, SELECTIONS)
-        if not (isinstance(max_recon_error, (int, float)) and max_recon_error > 0):
-            raise ValueError(f"max_recon_error must be a positive number, got {max_recon_error!r}")
-        self.max_recon_error = float(max_recon_error)
-        self.ae_error_feedback = bool(ae_error_feedback)
-        self.seed = int(seed)
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        # the AE is built once, from the options at construction (variant, ae_width,
+        # latent_channels, seed); replace_options does not rebuild it
+        o = self.options
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            self.ae = GradientAutoencoder(self.ae_width, self.latent_channels, innovation=self.variant == "ps")
+            torch.manual_seed(o.seed)
+            self.ae = GradientAutoencoder(o.ae_width, o.latent_channels, innovation=o.variant == "ps")
         self.ae.requires_grad_(False)
         # identical on every rank: the AE, whether it is trained, its training summary, the samples
         self._ae_state = {"trained": False, "loss": float("nan"), "recon_error": float("nan"), "train_s": float("nan")}
         self._ae_layers: dict[str, float] = {}  # layers that use the AE in stage 3 -> held-out error
         self._samples: list[tuple[str, int, int, int, Tensor]] = []  # key, step, leader, numel, (N, K) values
         self._samples_lock = threading.Lock()
-        self._step = 0
         self._shared: dict[str, tuple[Tensor, float, Tensor | None]] = {}  # key -> support, scale, leader z
         self.last_timing: dict[str, float] = {}
         self._ae_layers_used = (0, 0)  # of the last step: layers the AE carried, layers it may carry
         self._ae_count_step = -1
 
-    # training summary (kept out of options(): it changes during the run)
+    def check_harness(self, harness: HarnessOptions) -> None:
+        # start_step always has a value (the harness default); only another one was asked for
+        if harness.start_step != HarnessOptions.start_step:
+            raise ValueError("lgc schedules its stages with warmup_steps and ae_train_steps, not start_step")
+
+    # training summary (run-time state, not options: it changes during the run)
     @property
     def ae_trained(self) -> bool:
         return bool(self._ae_state["trained"])
@@ -275,15 +297,17 @@ class LGCCodec(Codec):
 
     # ----------------------------------------------------------------------------------------------
     # schedule
+    # warmup_steps and ae_train_steps are read here, at use time: AutoencoderWarmup replaces them
+    # after construction
     @property
     def warmup_end(self) -> int:
         """First step of stage 2 (``warmup_steps`` resolved against the run's length)."""
-        return run_steps(self.warmup_steps, self.run_total_steps, WARMUP_CAP)
+        return run_steps(self.options.warmup_steps, self.run_total_steps, WARMUP_CAP)
 
     @property
     def ae_start_step(self) -> int:
         """First step of stage 3."""
-        return self.warmup_end + max(1, run_steps(self.ae_train_steps, self.run_total_steps, AE_TRAIN_CAP))
+        return self.warmup_end + max(1, run_steps(self.options.ae_train_steps, self.run_total_steps, AE_TRAIN_CAP))
 
     def stage(self, step: int) -> int:
         """1 (dense), 2 (shared-support top-k, collecting) or 3 (learned code) at ``step``."""
@@ -292,13 +316,11 @@ class LGCCodec(Codec):
         return 2 if step < self.ae_start_step or not self.ae_trained else 3
 
     def is_compressing(self, step: int) -> bool:
-        self._step = step  # called for every bucket before anything else: the stage of this step
         return step >= self.warmup_end
 
-    @property
-    def collective(self) -> str:  # type: ignore[override]
+    def collective_at(self, step: int) -> Collective:
         # stage 2 gathers every rank's values (the AE's training data); RAR's stage 3 sums latents
-        return "allreduce" if self.variant == "rar" and self.stage(self._step) == 3 else "allgather"
+        return "allreduce" if self.options.variant == "rar" and self.stage(step) == 3 else "allgather"
 
     def setup(self, context: CodecContext) -> None:
         super().setup(context)
@@ -309,10 +331,12 @@ class LGCCodec(Codec):
         return next(self.ae.parameters()).device
 
     def k_for(self, numel: int) -> int:
-        return max(1, min(numel, math.ceil(self.ratio * numel)))
+        """Size of a layer's shared support: ``ceil(ratio * numel)``, at least 1."""
+        return keep_count(self.options.ratio, numel)
 
     def innovation_k(self, numel: int) -> int:
-        return max(1, min(self.k_for(numel), math.ceil(self.innovation_ratio * numel)))
+        """``"ps"``: innovation values a rank sends for a layer, at most the support's size."""
+        return min(self.k_for(numel), keep_count(self.options.innovation_ratio, numel))
 
     # ----------------------------------------------------------------------------------------------
     # the shared support: chosen by the leader, broadcast in the hook body
@@ -321,16 +345,17 @@ class LGCCodec(Codec):
         # On CUDA select_top runs torch.topk and draws nothing, so no generator is made there.
         if x.is_cuda:
             return select_top(x.abs(), k, 0.0)
-        g = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + step)
-        return select_top(x.abs(), k, 0.01 if self.selection == "sampled" else 0.0, g)
+        g = torch.Generator(device="cpu").manual_seed(self.options.seed * 1_000_003 + step)
+        return select_top(x.abs(), k, 0.01 if self.options.selection == "sampled" else 0.0, g)
 
-    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], step: int) -> int:
+    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], rc: RoundContext) -> int:
         t0 = time.perf_counter()
+        step = rc.step
         stage = self.stage(step)
         if stage == 3 and not self.ae_trained:  # resumed exactly at the switch: train now
             self.train_autoencoder()
             stage = self.stage(step)
-        world, leader = self.world_size, step % self.world_size
+        leader = step % self.world_size  # a rank of the codec's group
         is_leader = self.rank == leader
         device = layers[0][1].device
         numels = [x.numel() for _, x, _ in layers]
@@ -338,9 +363,9 @@ class LGCCodec(Codec):
         encodings = [choose_encoding("auto", k, n) for k, n in zip(sizes, numels)]
         code_bytes = [encoded_nbytes(e, k, n) for e, k, n in zip(encodings, sizes, numels)]
         use_ae = [stage == 3 and k >= MIN_AE_LEN and key in self._ae_layers for (key, _, _), k in zip(layers, sizes)]
-        lat = [self.latent_channels * GradientAutoencoder.latent_len(k) if a else 0 for k, a in zip(sizes, use_ae)]
+        lat = [self.ae.latent_channels * GradientAutoencoder.latent_len(k) if a else 0 for k, a in zip(sizes, use_ae)]
         n_scales = sum(use_ae)
-        n_lat = sum(lat) if self.variant == "ps" else 0
+        n_lat = sum(lat) if self.options.variant == "ps" else 0
         # one byte message: for each layer that may use the AE its scale and its flag (1: the AE
         # carries it this step, 0: exact values), the leader's latents (all fp32, first, so that
         # their views stay aligned), then every layer's support as a position code; all sizes
@@ -361,7 +386,7 @@ class LGCCodec(Codec):
                     scales.append(s)
                     # the run-time guard: the leader's own values through the AE, this step
                     with torch.no_grad():
-                        if self.variant == "rar":
+                        if self.options.variant == "rar":
                             own_codes[i] = self._rar_code(v, s)  # encode() reuses it
                             rec = own_codes[i][1]
                         else:
@@ -375,8 +400,8 @@ class LGCCodec(Codec):
             parts = head + parts
             if parts:
                 torch.cat(parts, out=msg)
-        if world > 1 and nbytes:
-            dist.broadcast(msg, src=leader)
+        if nbytes:  # a no-op on one rank
+            self.context.broadcast(msg, leader)
         scale_values = msg[: 4 * n_scales].view(torch.float32)
         # the one host read of this bucket in stage 3: which layers travel as codes decides the
         # payload's shape (every rank reads the same flags)
@@ -397,8 +422,8 @@ class LGCCodec(Codec):
                 s = scale_values[off_s : off_s + 1].clone()  # a tensor: no host sync per layer
                 coded = flag_values[off_s] > 0.5
                 off_s += 1
-                if self.variant == "ps":
-                    z = latents[off_z : off_z + nl].view(1, self.latent_channels, -1) if coded else None
+                if self.options.variant == "ps":
+                    z = latents[off_z : off_z + nl].view(1, self.ae.latent_channels, -1) if coded else None
                     off_z += nl
                 used, eligible = self._ae_layers_used
                 self._ae_layers_used = (used + int(coded), eligible + 1)
@@ -413,9 +438,12 @@ class LGCCodec(Codec):
 
         The gate at the switch measures held-out stage-2 values; afterwards the values change
         (training moves on, and with ``ae_error_feedback`` the AE's own error returns in them), and
-        a code that drifts would send more noise than signal every step. A 0-d tensor: no sync."""
-        error = (v - rec).norm() / v.norm().clamp_min(1e-30)
-        return (error <= self.max_recon_error).to(torch.float32)
+        a code that drifts would send more noise than signal every step. An all-zero ``v`` goes
+        exactly too: the code of zero decodes to the AE's bias times the tiny scale, not to zero.
+        A 0-d tensor: no sync."""
+        norm = v.norm()
+        error = (v - rec).norm() / norm.clamp_min(1e-30)
+        return ((error <= self.options.max_recon_error) & (norm > 0)).to(torch.float32)
 
     def _rar_code(self, v: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
         """RAR: this rank's latent ``E(v / s)`` and what it stands for, ``s D(E(v / s))``."""
@@ -433,14 +461,14 @@ class LGCCodec(Codec):
             local[idx] = v
             return EncodeResult([v], local=local, ctx=(idx, s, None, step, key, False))
         with torch.no_grad():
-            if self.variant == "rar":
+            if self.options.variant == "rar":
                 # what this rank's code stands for: its own values through the AE (the leader
                 # computed it for the guard already). The summed code decodes to the aggregate, so
                 # this is the best per-rank account of what was sent.
                 z, rec = own_code if own_code is not None else self._rar_code(v, s)
                 sent = torch.zeros_like(x)
                 sent[idx] = rec
-                if self.ae_error_feedback:
+                if self.options.ae_error_feedback:
                     local = sent  # the residual keeps the AE's error on the support too
                 else:
                     local[idx] = v  # the residual keeps only what is off the support
@@ -458,7 +486,7 @@ class LGCCodec(Codec):
             out[idx] = payload[0].float()
             return out
         with torch.no_grad():
-            zbar = payload[0].float().view(1, self.latent_channels, -1) / count
+            zbar = payload[0].float().view(1, self.ae.latent_channels, -1) / count
             out[idx] = (count * s) * self.ae.decode(zbar, idx.numel())[0]
         return out
 
@@ -469,7 +497,7 @@ class LGCCodec(Codec):
         if z_lead is None:  # stage 2, or a layer too short for the AE: plain values on the support
             values = torch.stack([p[0].float() for p in payloads])
             out[idx] = values.sum(0)
-            if self.stage(step) == 2 and k >= MIN_AE_LEN and step >= self.ae_start_step - self.ae_samples:
+            if self.stage(step) == 2 and k >= MIN_AE_LEN and step >= self.ae_start_step - self.options.ae_samples:
                 with self._samples_lock:
                     # kept on the values' device: a copy to the host here would wait for the GPU
                     # once per layer; they move to the CPU only when checkpointed
@@ -511,17 +539,13 @@ class LGCCodec(Codec):
             stats[2:] = torch.tensor(per_layer_error, dtype=torch.float64).to(device)
         if self.world_size > 1:
             flat = nn.utils.parameters_to_vector(self.ae.parameters()).detach()
-            dist.broadcast(flat, src=0)
+            self.context.broadcast(flat, 0)
             nn.utils.vector_to_parameters(flat, self.ae.parameters())
-            dist.broadcast(stats, src=0)
-            digest = torch.tensor([self.ae_digest() >> 2], dtype=torch.int64).to(device)
-            all_d = [torch.zeros_like(digest) for _ in range(self.world_size)]
-            dist.all_gather(all_d, digest)
-            if len({int(d) for d in all_d}) != 1:
-                raise RuntimeError("lgc: autoencoder weights differ between ranks after the broadcast")
+            self.context.broadcast(stats, 0)
+            self.context.agree(self.ae_digest(), "lgc: autoencoder weights differ between ranks after the broadcast")
         self.ae.requires_grad_(False)
         values = stats.tolist()  # once, at the switch (step-end work, not per layer)
-        self._ae_layers = {k: float(e) for k, e in zip(keys, values[2:]) if e <= self.max_recon_error}
+        self._ae_layers = {k: float(e) for k, e in zip(keys, values[2:]) if e <= self.options.max_recon_error}
         with self._samples_lock:
             self._samples.clear()  # stage 3 never needs them again
         self._ae_state = {
@@ -544,15 +568,15 @@ class LGCCodec(Codec):
         device = next(self.ae.parameters()).device
         ae = self.ae
         ae.requires_grad_(True)
-        opt = torch.optim.Adam(ae.parameters(), lr=self.ae_lr)
-        rng = random.Random(self.seed)
+        opt = torch.optim.Adam(ae.parameters(), lr=self.options.ae_lr)
+        rng = random.Random(self.options.seed)
         batches = _batches(train, 8)
-        deadline = time.perf_counter() + self.ae_time_budget_s
+        deadline = time.perf_counter() + self.options.ae_time_budget_s
         last = float("nan")
         # the hook runs inside DDP's backward, where autograd is off: a nested backward is allowed
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            torch.manual_seed(self.seed)
-            for _ in range(self.ae_epochs):
+            torch.manual_seed(self.options.seed)
+            for _ in range(self.options.ae_epochs):
                 rng.shuffle(batches)
                 total, count = 0.0, 0
                 for batch in batches:
@@ -586,13 +610,13 @@ class LGCCodec(Codec):
 
     def _loss(self, v: Tensor, numel: int, rng: random.Random) -> Tensor:
         b, n, k = v.shape
-        z = self.ae.encode(v.reshape(b * n, k)).view(b, n, self.latent_channels, -1)
-        if self.variant == "rar":
+        z = self.ae.encode(v.reshape(b * n, k)).view(b, n, self.ae.latent_channels, -1)
+        if self.options.variant == "rar":
             agg = F.mse_loss(self.ae.decode(z.mean(1), k), v.mean(1))
-            node = F.mse_loss(self.ae.decode(z.reshape(b * n, self.latent_channels, -1), k), v.reshape(b * n, k))
+            node = F.mse_loss(self.ae.decode(z.reshape(b * n, self.ae.latent_channels, -1), k), v.reshape(b * n, k))
             return agg + 0.5 * node
         r = rng.randrange(n)  # SOFF's trick: one rank's latent must decode every rank's values
-        zr = z[:, r : r + 1].expand(b, n, -1, -1).reshape(b * n, self.latent_channels, -1)
+        zr = z[:, r : r + 1].expand(b, n, -1, -1).reshape(b * n, self.ae.latent_channels, -1)
         rec = F.mse_loss(self.ae.decode(zr, k, self._innovation(v, numel)[1].reshape(b * n, k)), v.reshape(b * n, k))
         sim = (z.unsqueeze(1) - z.unsqueeze(2)).pow(2).mean() * n / max(n - 1, 1) if n > 1 else z.sum() * 0
         return 0.5 * rec + 0.5 * sim
@@ -604,8 +628,8 @@ class LGCCodec(Codec):
         for batch in _batches(samples, 8):
             v, _ = self._normalized(batch, device)
             b, n, k = v.shape
-            z = self.ae.encode(v.reshape(b * n, k)).view(b, n, self.latent_channels, -1)
-            if self.variant == "rar":
+            z = self.ae.encode(v.reshape(b * n, k)).view(b, n, self.ae.latent_channels, -1)
+            if self.options.variant == "rar":
                 vhat = self.ae.decode(z.mean(1), k)
             else:
                 lead = torch.tensor([x[2] for x in batch], device=device)
@@ -617,11 +641,8 @@ class LGCCodec(Codec):
         return out
 
     def ae_digest(self) -> int:
-        """A 64-bit digest of the AE's weights (compare it across ranks)."""
-        h = hashlib.sha256()
-        for t in self.ae.state_dict().values():
-            h.update(t.detach().cpu().contiguous().numpy().tobytes())
-        return int.from_bytes(h.digest()[:8], "little")
+        """A 62-bit digest of the AE's weights (compare it across ranks)."""
+        return comm.digest(*self.ae.state_dict().values())
 
     @property
     def ae_layers(self) -> dict[str, float]:

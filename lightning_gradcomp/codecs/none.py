@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_gradcomp.codecs.base import Codec
+from torch import Tensor
+
+from lightning_gradcomp.codecs.base import Codec, EncodeResult, HarnessOptions
 from lightning_gradcomp.registry import register_codec
 
 
@@ -17,12 +19,17 @@ class NoCompression(Codec):
     """No compression. Collective: all-reduce of the raw fp32 (or bucket-dtype) gradient."""
 
     collective = "allreduce"
+    harness_defaults = {"min_numel": 0}
 
-    def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("min_numel", 0)
-        super().__init__(**kwargs)
-        if self.error_feedback:
+    def check_harness(self, harness: HarnessOptions) -> None:
+        if harness.error_feedback:
             raise ValueError("codec 'none' drops nothing, so error_feedback=True has no meaning")
 
     def is_compressing(self, step: int) -> bool:
-        return False
+        return False  # every step takes the hook's dense path: exactly DDP's averaging all-reduce
+
+    def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
+        return EncodeResult([x], local=x)
+
+    def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
+        return payload[0]

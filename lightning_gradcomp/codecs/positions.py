@@ -6,10 +6,10 @@ Elias-Fano (``"delta"``) or a bitmap, whichever is smaller (``"auto"``). Both si
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
+
+from lightning_gradcomp.codecs.bits import pack_mask, unpack_mask
 
 __all__ = [
     "ENCODINGS",
@@ -21,12 +21,6 @@ __all__ = [
 ]
 
 ENCODINGS = ("auto", "delta", "bitmap")
-
-
-@functools.lru_cache(maxsize=None)
-def _shifts(device: torch.device) -> Tensor:
-    """``[0, 1, ..., 7]`` as uint8 on ``device``, made once per device (a copy to a GPU waits)."""
-    return torch.arange(8, dtype=torch.uint8, device=device)
 
 
 def positions_of_ones(mask: Tensor, count: int) -> Tensor:
@@ -67,20 +61,6 @@ def choose_encoding(mode: str, k: int, n: int) -> str:
     return "delta" if encoded_nbytes("delta", k, n) <= encoded_nbytes("bitmap", k, n) else "bitmap"
 
 
-def _bits_to_bytes(bits: Tensor) -> Tensor:
-    """Pack a flat bool tensor eight to a byte, least significant bit first."""
-    pad = (-bits.numel()) % 8
-    if pad:
-        bits = torch.cat([bits, bits.new_zeros(pad)])
-    shifts = _shifts(bits.device)
-    return (bits.view(-1, 8).to(torch.uint8) << shifts).sum(1, dtype=torch.uint8)
-
-
-def _bytes_to_bits(data: Tensor, nbits: int) -> Tensor:
-    shifts = _shifts(data.device)
-    return ((data.unsqueeze(1) >> shifts) & 1).reshape(-1)[:nbits].bool()
-
-
 def encode_positions(pos: Tensor, n: int, encoding: str) -> Tensor:
     """Encode sorted distinct positions ``pos`` (int64) in ``[0, n)`` as a uint8 tensor of exactly
     :func:`encoded_nbytes` bytes.
@@ -96,7 +76,7 @@ def encode_positions(pos: Tensor, n: int, encoding: str) -> Tensor:
     if encoding == "bitmap":
         bits = torch.zeros(n, dtype=torch.bool, device=pos.device)
         bits[pos] = True
-        return _bits_to_bytes(bits)
+        return pack_mask(bits)
     low = _ef_low_bits(k, n)
     upper_bits = k + ((n - 1) >> low) + 1
     upper = torch.zeros(upper_bits, dtype=torch.bool, device=pos.device)
@@ -105,8 +85,8 @@ def encode_positions(pos: Tensor, n: int, encoding: str) -> Tensor:
     if low:
         lows = pos & ((1 << low) - 1)
         lowbits = (lows.unsqueeze(1) >> torch.arange(low, device=pos.device)) & 1
-        parts.append(_bits_to_bytes(lowbits.reshape(-1).bool()))
-    parts.append(_bits_to_bytes(upper))
+        parts.append(pack_mask(lowbits.reshape(-1).bool()))
+    parts.append(pack_mask(upper))
     return torch.cat(parts)
 
 
@@ -115,15 +95,15 @@ def decode_positions(data: Tensor, k: int, n: int, encoding: str) -> Tensor:
     if k >= n:
         return torch.arange(n, device=data.device)
     if encoding == "bitmap":
-        return positions_of_ones(_bytes_to_bits(data, n), k)
+        return positions_of_ones(unpack_mask(data, n), k)
     low = _ef_low_bits(k, n)
     low_nbytes = -(-k * low // 8)
     upper_bits = k + ((n - 1) >> low) + 1
-    ones = positions_of_ones(_bytes_to_bits(data[low_nbytes:], upper_bits), k)
+    ones = positions_of_ones(unpack_mask(data[low_nbytes:], upper_bits), k)
     if ones.numel() != k:  # only a CPU can tell here without waiting; CUDA pads a corrupt code
         raise ValueError(f"corrupt position code: {ones.numel()} high parts for {k} positions")
     pos = (ones - torch.arange(k, device=data.device)) << low
     if low:
-        bits = _bytes_to_bits(data[:low_nbytes], k * low).view(k, low).long()
+        bits = unpack_mask(data[:low_nbytes], k * low).view(k, low).long()
         pos |= (bits << torch.arange(low, device=data.device)).sum(1)
     return pos

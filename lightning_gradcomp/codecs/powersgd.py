@@ -19,6 +19,7 @@ torch's hook would otherwise fold a NaN into its error-feedback memory before an
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,14 +27,41 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
-from lightning_gradcomp.codecs.base import Codec, CodecContext, check_positive_int
+from lightning_gradcomp.codecs.base import (
+    Codec,
+    CodecContext,
+    CodecOptions,
+    HarnessOptions,
+    LearnedState,
+    MultiRound,
+    RoundContext,
+    check_positive_int,
+)
 from lightning_gradcomp.comm import completed_future, wire_bytes
 from lightning_gradcomp.registry import register_codec
 from lightning_gradcomp.timing import Span, clock_for
 
 
+@dataclass(frozen=True)
+class PowerSGDOptions(CodecOptions):
+    rank: int = 4
+    min_compression_rate: float = 2.0
+    warm_start: bool = True
+    use_error_feedback: bool = True
+    seed: int = 0
+
+    def check(self) -> None:
+        check_positive_int("rank", self.rank)
+        if not self.min_compression_rate > 0:
+            raise ValueError(f"min_compression_rate must be > 0, got {self.min_compression_rate}")
+        self._set("min_compression_rate", float(self.min_compression_rate))
+        self._set("warm_start", bool(self.warm_start))
+        self._set("use_error_feedback", bool(self.use_error_feedback))
+        self._set("seed", int(self.seed))
+
+
 @register_codec("powersgd")
-class PowerSGDCodec(Codec):
+class PowerSGDCodec(LearnedState, MultiRound, Codec):
     """PowerSGD through ``torch``'s hook.
 
     Args:
@@ -46,49 +74,41 @@ class PowerSGDCodec(Codec):
     """
 
     collective = "custom"
+    Options = PowerSGDOptions
+    # torch's hook picks the matrices it compresses by its own rule (min_compression_rate)
+    harness_defaults = {"min_numel": 0, "dense_layers": "none"}
     # torch keys P, Q and the error by bucket index, and a new DDP wrapper (a resumed run) hands
     # over its first buckets in declaration order before rebuilding them in gradient-ready order:
     # the strategy then sends plain all-reduce until the rebuilt layout, which the state fits, is back
     bucket_keyed_state = True
-    # torch's hook picks the matrices it compresses by its own rule (min_compression_rate)
-    supports_dense_layers = False
-    supports_momentum = False
 
-    def __init__(
-        self,
-        rank: int = 4,
-        min_compression_rate: float = 2.0,
-        warm_start: bool = True,
-        use_error_feedback: bool = True,
-        seed: int = 0,
-        **kwargs: Any,
-    ) -> None:
-        if kwargs.get("error_feedback"):
-            raise ValueError("powersgd keeps torch's own error feedback: use use_error_feedback, not error_feedback")
-        kwargs["min_numel"] = kwargs.get("min_numel", 0)
-        kwargs.setdefault("dense_layers", "none")
-        super().__init__(**kwargs)
-        self.rank_r = check_positive_int("rank", rank)
-        if not min_compression_rate > 0:
-            raise ValueError(f"min_compression_rate must be > 0, got {min_compression_rate}")
-        self.min_compression_rate = float(min_compression_rate)
-        self.warm_start = bool(warm_start)
-        self.use_error_feedback = bool(use_error_feedback)
-        self.seed = int(seed)
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
         self._torch_state: torch_powersgd.PowerSGDState | None = None
         self._pending_state: dict[str, Any] | None = None
         self._pending_rank_state: dict[str, Tensor] | None = None
 
+    def check_harness(self, harness: HarnessOptions) -> None:
+        if harness.error_feedback:
+            raise ValueError("powersgd keeps torch's own error feedback: use use_error_feedback, not error_feedback")
+        if harness.dense_layers != ("none",):
+            raise ValueError("this codec chooses its compressed layers itself: dense_layers must be 'none'")
+        if harness.momentum:
+            raise ValueError(
+                "this codec keeps its own state per bucket and cannot take momentum correction (momentum must be 0)"
+            )
+
     def setup(self, context: CodecContext) -> None:
         super().setup(context)
+        o = self.options
         self._torch_state = torch_powersgd.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=self.rank_r,
+            process_group=context.group,
+            matrix_approximation_rank=o.rank,
             start_powerSGD_iter=2,
-            min_compression_rate=self.min_compression_rate,
-            use_error_feedback=self.use_error_feedback,
-            warm_start=self.warm_start,
-            random_seed=self.seed,
+            min_compression_rate=o.min_compression_rate,
+            use_error_feedback=o.use_error_feedback,
+            warm_start=o.warm_start,
+            random_seed=o.seed,
             compression_stats_logging_frequency=2**62,
         )
         # our harness already ran the plain all-reduce steps: let torch's hook compress at once
@@ -109,38 +129,36 @@ class PowerSGDCodec(Codec):
         for t in bucket.gradients():
             rows = t.shape[0] if t.dim() > 1 else 1
             cols = t.numel() // max(rows, 1)
-            r = min(rows, cols, self.rank_r)
+            r = min(rows, cols, self.options.rank)
             if t.dim() > 1:
-                ok, _, compressed = torch_powersgd._should_compress(rows, cols, r, self.min_compression_rate)
+                ok, _, compressed = torch_powersgd._should_compress(rows, cols, r, self.options.min_compression_rate)
             else:
                 ok, compressed = False, 0
             total += compressed if ok else t.numel()
         return total
 
-    def communicate_bucket(self, state: Any, bucket: Any, layers: list, flag: Tensor, step: int) -> Any:
+    def communicate_bucket(self, bucket: Any, layers: list, flag: Tensor, rc: RoundContext) -> Any:
         assert self._torch_state is not None, "PowerSGDCodec.setup() was not called"
-        group = state.process_group
         buf = bucket.buffer()
-        world = dist.get_world_size(group)
+        world = rc.comm.world_size
         clock = clock_for(buf.device)
         t0 = clock.mark()
-        flag_t = flag.to(device=buf.device, dtype=torch.float32).reshape(1).clone()
-        dist.all_reduce(flag_t, group=group)
+        flag_t = rc.comm.all_reduce(flag.to(device=buf.device, dtype=torch.float32).reshape(1).clone())
         # the bucket's one host sync: torch's hook must not even start on a non-finite bucket
         if float(flag_t) > 0:
-            return completed_future(state._discard(buf, [], step))
-        sample = step % state.stats_every == 0
+            return completed_future(rc.discard(buf))
+        feedback = self.options.use_error_feedback
         ref_sq = 0.0
-        if sample:  # torch's hook sends buf + its old error: that is the input to compare against
-            old = self._torch_state.error_dict.get(bucket.index()) if self.use_error_feedback else None
+        if rc.sample:  # torch's hook sends buf + its old error: that is the input to compare against
+            old = self._torch_state.error_dict.get(bucket.index()) if feedback else None
             ref = buf.double() if old is None or old.shape != buf.shape else buf.double() + old.double()
             ref_sq = ref.pow(2).sum()  # read with the statistics, not here
         fut = torch_powersgd.powerSGD_hook(self._torch_state, bucket)
-        if dist.get_backend(group) == "gloo":
+        if dist.get_backend(rc.comm.group) == "gloo":
             fut.wait()  # see the module docstring: never two waiting callbacks at once on gloo
         nbytes = self.payload_elements(bucket) * 4
         raw = buf.numel() * buf.element_size()
-        state.stats.add(
+        rc.record(
             buckets=1,
             compressed=True,
             raw_bytes=raw,
@@ -152,10 +170,10 @@ class PowerSGDCodec(Codec):
 
         def finish(f: torch.futures.Future) -> Tensor:
             out = f.value()
-            if sample and self.use_error_feedback:
+            if rc.sample and feedback:
                 err = self._torch_state.error_dict.get(bucket.index())
                 if err is not None:
-                    state.stats.add(err_sq=err.double().pow(2).sum(), ref_sq=ref_sq)
+                    rc.record(err_sq=err.double().pow(2).sum(), ref_sq=ref_sq)
             return out
 
         return fut.then(finish)

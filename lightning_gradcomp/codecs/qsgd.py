@@ -15,15 +15,30 @@ run draws the same numbers as an uninterrupted one.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.codecs.base import Codec, EncodeResult, check_positive_int
+from lightning_gradcomp.codecs.base import Codec, CodecOptions, EncodeResult, check_positive_int
 from lightning_gradcomp.codecs.bits import pack_bits, unpack_bits
 from lightning_gradcomp.codecs.sampling import seeded_generator
 from lightning_gradcomp.registry import register_codec
+
+
+@dataclass(frozen=True)
+class QSGDOptions(CodecOptions):
+    levels: int = 7
+    chunk_size: int = 512
+    seed: int = 0
+
+    def check(self) -> None:
+        check_positive_int("levels", self.levels)
+        if self.levels > 127:
+            raise ValueError(f"levels must be <= 127 (8-bit signed levels), got {self.levels}")
+        check_positive_int("chunk_size", self.chunk_size)
+        self._set("seed", int(self.seed))
 
 
 @register_codec("qsgd")
@@ -37,43 +52,38 @@ class QSGDCodec(Codec):
     """
 
     collective = "allgather"
+    Options = QSGDOptions
 
-    def __init__(self, levels: int = 7, chunk_size: int = 512, seed: int = 0, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        check_positive_int("levels", levels)
-        if levels > 127:
-            raise ValueError(f"levels must be <= 127 (8-bit signed levels), got {levels}")
-        self.levels = levels
-        self.chunk_size = check_positive_int("chunk_size", chunk_size)
-        self.seed = int(seed)
-        self.bits = max(1, math.ceil(math.log2(2 * levels + 1)))
-        self.bits = 4 if self.bits <= 4 else 8
+    @property
+    def bits(self) -> int:
+        """Bits of one signed level on the wire: 4 for ``levels <= 7``, else 8."""
+        return 4 if math.ceil(math.log2(2 * self.options.levels + 1)) <= 4 else 8
 
     def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
-        n, c = x.numel(), self.chunk_size
+        n, c = x.numel(), self.options.chunk_size
         pad = (-n) % c
         xc = torch.cat([x, x.new_zeros(pad)]).view(-1, c) if pad else x.view(-1, c)
         # scale by the chunk's largest magnitude first: a plain sum of squares overflows fp32 for
         # entries beyond ~1e19 and the norm would come back inf (and the decode NaN)
         amax = xc.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
         norms = (xc / amax).norm(dim=1) * amax.squeeze(1)
-        scaled = xc.abs() / norms.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1) * self.levels
-        gen = seeded_generator(self.seed, self.rank, step, key, x.device)
+        scaled = xc.abs() / norms.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1) * self.options.levels
+        gen = seeded_generator(self.options.seed, self.rank, step, key, x.device)
         lower = scaled.floor()
         level = lower + (torch.rand(scaled.shape, generator=gen, device=x.device) < (scaled - lower)).float()
         signed = (torch.sign(xc) * level).reshape(-1)[:n].to(torch.int32)
-        codes = pack_bits(signed + self.levels, self.bits)
+        codes = pack_bits(signed + self.options.levels, self.bits)
         enc = EncodeResult([norms, codes], ctx=None)
         enc.local = self._dequantize(norms, signed, n)
         return enc
 
     def _dequantize(self, norms: Tensor, signed: Tensor, n: int) -> Tensor:
-        c = self.chunk_size
+        c = self.options.chunk_size
         pad = (-n) % c
         s = torch.cat([signed, signed.new_zeros(pad)]) if pad else signed
-        return (s.view(-1, c).float() * (norms.unsqueeze(1) / self.levels)).reshape(-1)[:n]
+        return (s.view(-1, c).float() * (norms.unsqueeze(1) / self.options.levels)).reshape(-1)[:n]
 
     def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
         norms, codes = payload
-        signed = unpack_bits(codes, self.bits, numel) - self.levels
+        signed = unpack_bits(codes, self.bits, numel) - self.options.levels
         return self._dequantize(norms.float(), signed, numel)

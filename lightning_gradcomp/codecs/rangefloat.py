@@ -33,6 +33,7 @@ ranges (the coefficients kept after magnitude sparsification) then get more mant
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -40,18 +41,15 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.codecs.base import Codec, EncodeResult, check_choice
-from lightning_gradcomp.codecs.bits import pack_bits, packed_nbytes, unpack_bits
-from lightning_gradcomp.codecs.qsgd import seeded_generator
+from lightning_gradcomp.codecs.base import Codec, CodecOptions, EncodeResult, check_choice
+from lightning_gradcomp.codecs.bits import codes_nbytes, pack_codes, unpack_codes
+from lightning_gradcomp.codecs.sampling import seeded_generator
 from lightning_gradcomp.registry import register_codec
 
 __all__ = [
     "RangeFloat",
     "rf_quantize",
     "rf_dequantize",
-    "pack_codes",
-    "unpack_codes",
-    "codes_nbytes",
     "RangeFloatCodec",
     "ROUNDINGS",
 ]
@@ -62,35 +60,6 @@ _MIN_BIAS = -126  # keeps 2^-b and 2^b normal fp32 numbers
 
 def _default_max_exponent_bits(bits: int) -> int:
     return max(1, min(bits - 2, 4 if bits <= 9 else 5))
-
-
-def pack_codes(codes: Tensor, bits: int) -> Tensor:
-    """Pack ``bits``-bit codes into ``codes_nbytes(n, bits)`` bytes.
-
-    Widths above 8 (up to 31) are split into planes (our choice, for speed): the low byte of every
-    code, then the high ``bits - 8`` bits packed the same way (bytes, then
-    :func:`~lightning_gradcomp.codecs.bits.pack_bits` for the last plane). The size is at most a few
-    bytes above the dense ``ceil(n bits / 8)``.
-    """
-    if not 1 <= bits <= 31:
-        raise ValueError(f"bits must be in [1, 31], got {bits}")
-    if bits <= 8:
-        return pack_bits(codes, bits)
-    codes = codes.reshape(-1).to(torch.int32)
-    low = (codes & 0xFF).to(torch.uint8)
-    return torch.cat([low, pack_codes(codes >> 8, bits - 8)])
-
-
-def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
-    """Inverse of :func:`pack_codes`: ``n`` codes as int32."""
-    if bits <= 8:
-        return unpack_bits(packed, bits, n)
-    low = packed[:n].to(torch.int32)
-    return low | (unpack_codes(packed[n:], bits - 8, n) << 8)
-
-
-def codes_nbytes(n: int, bits: int) -> int:
-    return packed_nbytes(n, bits) if bits <= 8 else n + codes_nbytes(n, bits - 8)
 
 
 def rf_quantize(
@@ -291,6 +260,28 @@ class RangeFloat:
         return rf_dequantize(payload[0], unpack_codes(payload[1], self.bits, n), self.bits)
 
 
+@dataclass(frozen=True)
+class RangeFloatOptions(CodecOptions):
+    bits: int = 8
+    exponent_bits: int | None = None
+    max_exponent_bits: int | None = None
+    rounding: str = "nearest"
+    seed: int = 0
+
+    def check(self) -> None:
+        self._set("seed", int(self.seed))
+        self.format()  # validates bits, exponent widths and rounding
+
+    def format(self) -> RangeFloat:
+        return range_float(self.bits, self.exponent_bits, self.max_exponent_bits, self.rounding)
+
+
+@functools.lru_cache(maxsize=64)
+def range_float(bits: int, exponent_bits: int | None, max_exponent_bits: int | None, rounding: str) -> RangeFloat:
+    """A :class:`RangeFloat`, made once per setting (codecs ask for it on every call)."""
+    return RangeFloat(bits, exponent_bits, max_exponent_bits, rounding)
+
+
 @register_codec("rangefloat")
 class RangeFloatCodec(Codec):
     """Every compressed layer sent as ``bits``-bit range-based floats (see the module docstring).
@@ -312,37 +303,22 @@ class RangeFloatCodec(Codec):
     """
 
     collective = "allgather"
-    default_error_feedback = True
-
-    def __init__(
-        self,
-        bits: int = 8,
-        exponent_bits: int | None = None,
-        max_exponent_bits: int | None = None,
-        rounding: str = "nearest",
-        seed: int = 0,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self._fmt = RangeFloat(bits, exponent_bits, max_exponent_bits, rounding)
-        self.bits = bits
-        self.exponent_bits = exponent_bits
-        self.max_exponent_bits = max_exponent_bits
-        self.rounding = rounding
-        self.seed = int(seed)
+    Options = RangeFloatOptions
+    harness_defaults = {"error_feedback": True}
 
     @property
     def format(self) -> RangeFloat:
-        return self._fmt
+        return self.options.format()
 
     def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
-        gen = seeded_generator(self.seed, self.rank, step, key, x.device) if self.rounding == "stochastic" else None
-        header, codes = self._fmt.quantize(x, gen)
-        local = self._fmt.dequantize(header, codes)
-        return EncodeResult([header, pack_codes(codes, self.bits)], local=local)
+        o = self.options
+        gen = seeded_generator(o.seed, self.rank, step, key, x.device) if o.rounding == "stochastic" else None
+        header, codes = self.format.quantize(x, gen)
+        local = self.format.dequantize(header, codes)
+        return EncodeResult([header, pack_codes(codes, o.bits)], local=local)
 
     def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
-        return self._fmt.decode(payload, numel)
+        return self.format.decode(payload, numel)
 
 
 def _rf_dequantize_device(header: Tensor, codes: Tensor, bits: int) -> Tensor:

@@ -8,7 +8,7 @@ import zlib
 import torch
 from torch import Tensor
 
-__all__ = ["seeded_generator", "select_top"]
+__all__ = ["seeded_generator", "select_top", "keep_count"]
 
 
 def seeded_generator(seed: int, rank: int, step: int, key: str, device: torch.device) -> torch.Generator:
@@ -16,6 +16,12 @@ def seeded_generator(seed: int, rank: int, step: int, key: str, device: torch.de
     g = torch.Generator(device=device)
     g.manual_seed((seed * 1_000_003 + rank * 10_007 + step * 101 + zlib.crc32(key.encode())) % (2**63))
     return g
+
+
+def keep_count(fraction: float, numel: int) -> int:
+    """Entries kept when a codec keeps ``fraction`` of ``numel``: ``ceil(fraction * numel)``, at
+    least one and at most all. A function of its arguments alone, so equal on every rank."""
+    return max(1, min(numel, math.ceil(fraction * numel)))
 
 
 def select_top(s: Tensor, k: int, sample_fraction: float = 0.01, generator: torch.Generator | None = None) -> Tensor:

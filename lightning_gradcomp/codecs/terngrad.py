@@ -11,15 +11,28 @@ is known to hurt convergence when done naively.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.codecs.base import Codec, EncodeResult
+from lightning_gradcomp.codecs.base import Codec, CodecOptions, EncodeResult
 from lightning_gradcomp.codecs.bits import pack_bits, unpack_bits
 from lightning_gradcomp.codecs.sampling import seeded_generator
 from lightning_gradcomp.registry import register_codec
+
+
+@dataclass(frozen=True)
+class TernGradOptions(CodecOptions):
+    clip: float = 2.5
+    seed: int = 0
+
+    def check(self) -> None:
+        if not self.clip >= 0:
+            raise ValueError(f"clip must be >= 0 (0 disables clipping), got {self.clip}")
+        self._set("clip", float(self.clip))
+        self._set("seed", int(self.seed))
 
 
 @register_codec("terngrad")
@@ -33,20 +46,14 @@ class TernGradCodec(Codec):
     """
 
     collective = "allgather"
-
-    def __init__(self, clip: float = 2.5, seed: int = 0, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        if not clip >= 0:
-            raise ValueError(f"clip must be >= 0 (0 disables clipping), got {clip}")
-        self.clip = float(clip)
-        self.seed = int(seed)
+    Options = TernGradOptions
 
     def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
-        if self.clip > 0 and x.numel() > 1:
-            bound = self.clip * x.std()
+        if self.options.clip > 0 and x.numel() > 1:
+            bound = self.options.clip * x.std()
             x = x.clamp(-bound, bound)
         scale = x.abs().max().reshape(1)
-        gen = seeded_generator(self.seed, self.rank, step, key, x.device)
+        gen = seeded_generator(self.options.seed, self.rank, step, key, x.device)
         prob = x.abs() / scale.clamp_min(torch.finfo(torch.float32).tiny)
         keep = torch.rand(x.shape, generator=gen, device=x.device) < prob
         tern = torch.sign(x).to(torch.int32) * keep

@@ -11,15 +11,37 @@ all-reduce; every rank gathers every rank's k pairs and scatter-adds them. A ran
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.codecs.base import Codec, DensityWarmup, EncodeResult, check_fraction
+from lightning_gradcomp.codecs.base import (
+    Codec,
+    CodecOptions,
+    DensityWarmup,
+    EncodeResult,
+    check_density_warmup,
+    check_fraction,
+)
 from lightning_gradcomp.codecs.sampling import seeded_generator, select_top
 from lightning_gradcomp.registry import register_codec
+
+
+@dataclass(frozen=True)
+class TopKOptions(CodecOptions):
+    ratio: float = 0.01
+    sample_fraction: float = 0.01
+    seed: int = 0
+    density_warmup: int | float = 0
+    density_warmup_start: float = 0.25
+
+    def check(self) -> None:
+        self._set("ratio", check_fraction("ratio", self.ratio))
+        self._set("sample_fraction", check_fraction("sample_fraction", self.sample_fraction, low_open=False))
+        self._set("seed", int(self.seed))
+        check_density_warmup(self)
 
 
 @register_codec("topk")
@@ -39,40 +61,20 @@ class TopKCodec(Codec):
     """
 
     collective = "allgather"
-    default_error_feedback = True
+    Options = TopKOptions
+    harness_defaults = {"error_feedback": True}
     sparse_local = True  # momentum factor masking applies
-
-    def __init__(
-        self,
-        ratio: float = 0.01,
-        sample_fraction: float = 0.01,
-        seed: int = 0,
-        density_warmup: int | float = 0,
-        density_warmup_start: float = 0.25,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self._density = DensityWarmup(density_warmup, density_warmup_start)
-        self.density_warmup, self.density_warmup_start = self._density.steps, self._density.start
-        self.ratio = check_fraction("ratio", ratio)
-        self.sample_fraction = check_fraction("sample_fraction", sample_fraction, low_open=False)
-        self.seed = int(seed)
 
     def k_for(self, numel: int, step: int | None = None) -> int:
         """Entries kept of a layer of ``numel`` at ``step`` (``None``: after any warm-up)."""
-        ratio = (
-            self.ratio
-            if step is None
-            else self._density.fraction(self.ratio, step, self.start_step, self.run_total_steps)
-        )
-        return max(1, min(numel, math.ceil(ratio * numel)))
+        return DensityWarmup.of(self.options).kept(numel, self.options.ratio, step, self)
 
     def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
         k = self.k_for(x.numel(), step)
         # exact top-k, found through a sampled threshold (torch.topk over millions of entries
         # costs more than a step's budget on a CPU core; see sampling.select_top)
-        gen = seeded_generator(self.seed, self.rank, step, key, x.device)
-        idx = select_top(x.abs(), k, self.sample_fraction, gen)
+        gen = seeded_generator(self.options.seed, self.rank, step, key, x.device)
+        idx = select_top(x.abs(), k, self.options.sample_fraction, gen)
         values = x[idx]
         local = torch.zeros_like(x)
         local[idx] = values

@@ -1,0 +1,62 @@
+"""The all-reduce path: payloads that sum (linear codecs) travel in one ring all-reduce per
+bucket, with the dense layers and the non-finite flag, in the codec's wire dtype."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.comm import allreduce_async, wire_bytes
+from lightning_gradcomp.hook.encode import Encoded
+from lightning_gradcomp.timing import Span
+
+__all__ = ["send"]
+
+
+def send(state, buf: Tensor, enc: Encoded, flag: Tensor, step: int) -> torch.futures.Future:
+    codec, world, dtype = state.codec, state.world_size, state.codec.wire_dtype
+    msg = torch.cat([t.reshape(-1).to(dtype) for t in enc.payload()] + [enc.dense.to(dtype), flag.to(dtype)])
+    nbytes = msg.numel() * msg.element_size()
+    fut = allreduce_async(msg, state.process_group)
+    enc.t1 = enc.clock.mark()
+    _record(state, buf, enc, "allreduce", nbytes)
+
+    def finish(fut: torch.futures.Future) -> Tensor:
+        t2 = enc.clock.mark()
+        state.stats.add(comm_s=Span(enc.clock, enc.t1, t2))
+        t = state.received(fut, step)
+        # every rank received the same sum, so checking it decides identically everywhere: this
+        # also catches an overflow of a narrow wire format (fp16 beyond 65504). The bucket's one
+        # host sync: keeping or discarding it is decided on the host.
+        if bool((t[-1] > 0).logical_or(torch.isfinite(t).all().logical_not())):
+            return state.discard(buf, enc.keys, enc.all_keys)
+        off = 0
+        for (_, g, x), e in zip(enc.inputs, enc.encoded):
+            summed = []
+            for part in e.payload:
+                summed.append(t[off : off + part.numel()].view(part.shape).to(part.dtype))
+                off += part.numel()
+            g.copy_(codec.decode(summed, e.ctx, x.numel(), world).div_(world).view_as(g))
+        enc.write_dense(t[off : off + enc.dense.numel()].float())
+        state.memory.commit(enc.keys)
+        state.momentum_buffers.commit(enc.all_keys)
+        state.stats.add(decode_s=Span(enc.clock, t2, enc.clock.mark()))
+        return buf
+
+    return fut.then(finish)
+
+
+def _record(state, buf: Tensor, enc: Encoded, collective: str, nbytes: int) -> None:
+    """Statistics of a compressed bucket, shared with the all-gather path."""
+    world, raw = state.world_size, buf.numel() * buf.element_size()
+    state.stats.add(
+        buckets=1,
+        compressed=True,
+        raw_bytes=raw,
+        payload_bytes=nbytes + enc.extra_bytes,
+        wire_bytes=wire_bytes(collective, nbytes, world) + wire_bytes("broadcast", enc.extra_bytes, world),
+        raw_wire_bytes=wire_bytes("allreduce", raw, world),
+        encode_s=enc.encode_span(),
+        err_sq=enc.err_sq,
+        ref_sq=enc.ref_sq,
+    )

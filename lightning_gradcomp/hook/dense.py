@@ -1,0 +1,60 @@
+"""The uncompressed path: warm-up steps, buckets the fallback sends plainly, and codecs that
+never compress. Residuals left from compressed steps are flushed into the bucket, so nothing is
+lost, and a learning codec observes the averaged gradients."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.codecs.base import LearnedState
+from lightning_gradcomp.comm import allreduce_async, wire_bytes
+from lightning_gradcomp.hook.encode import velocity
+from lightning_gradcomp.timing import Span, clock_for
+
+__all__ = ["send"]
+
+
+def send(state, buf: Tensor, layers: list, flag: Tensor, step: int) -> torch.futures.Future:
+    """Plain averaging all-reduce of the bucket (the flag travels as its last element)."""
+    codec, memory, world = state.codec, state.memory, state.world_size
+    if codec.harness.momentum:
+        for k, g, p in layers:
+            g.copy_(velocity(state, k, g.reshape(-1).to(torch.float32), p).view_as(g))
+    all_keys = [k for k, _, _ in layers]
+    flushed = [k for k in all_keys if k in memory]
+    for k, g, _ in layers:
+        if k in flushed:  # a residual left from earlier compressed steps travels now
+            g.copy_(memory.compensate(k, g.reshape(-1).float()).view_as(g))
+    n = buf.numel()
+    msg = torch.empty(n + 1, dtype=buf.dtype, device=buf.device)
+    torch.div(buf.reshape(-1), world, out=msg[:n])
+    msg[n:] = flag
+    nbytes = msg.numel() * msg.element_size()
+    raw = buf.numel() * buf.element_size()
+    state.stats.add(
+        buckets=1,
+        raw_bytes=raw,
+        payload_bytes=nbytes,
+        wire_bytes=wire_bytes("allreduce", nbytes, world),
+        raw_wire_bytes=wire_bytes("allreduce", raw, world),
+    )
+    clock = clock_for(buf.device)
+    launched = clock.mark()
+    observe = [(k, g) for k, g, p in layers if codec.should_compress(k, p)] if isinstance(codec, LearnedState) else []
+
+    def finish(fut: torch.futures.Future) -> Tensor:
+        t = state.received(fut, step)
+        state.stats.add(comm_s=Span(clock, launched, clock.mark()))
+        # the one host sync of the bucket: whether to keep it is decided on the host
+        if float(t[n]) > 0:
+            return state.discard(buf, flushed, all_keys)
+        buf.copy_(t[:n].view_as(buf))
+        state.momentum_buffers.commit(all_keys)
+        if flushed:
+            memory.drop(flushed)
+        for k, g in observe:
+            codec.observe_dense(k, g.reshape(-1), step)
+        return buf
+
+    return allreduce_async(msg, state.process_group).then(finish)

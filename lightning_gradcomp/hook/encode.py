@@ -1,0 +1,113 @@
+"""A compressed bucket's first half, common to the all-reduce and all-gather paths: momentum
+correction, error-feedback compensation, the codec's own rounds, encoding, and the residuals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.codecs.base import Codec, EncodeResult, MultiRound
+from lightning_gradcomp.timing import Span, clock_for
+
+__all__ = ["Encoded", "encode_layers", "velocity", "local_reconstruction"]
+
+
+@dataclass
+class Encoded:
+    """A bucket after encoding: what the send paths put on the wire and decode into."""
+
+    clock: Any  # the device clock of the bucket, and its marks around encoding
+    t0: float
+    all_keys: list[str]  # keys of every layer (their momentum is staged)
+    inputs: list[tuple[str, Tensor, Tensor]] = field(default_factory=list)  # key, grad view, flat fp32 input
+    encoded: list[EncodeResult] = field(default_factory=list)
+    dense_grads: list[Tensor] = field(default_factory=list)  # views of the layers that travel in fp32
+    dense: Tensor | None = None  # their concatenation, divided by the world size
+    extra_bytes: int = 0  # sent by the codec's own rounds (prepare_bucket)
+    t1: float = 0.0
+    err_sq: Tensor | float = 0.0  # error statistics, left on the device until read
+    ref_sq: Tensor | float = 0.0
+
+    @property
+    def keys(self) -> list[str]:
+        """Keys of the compressed layers (their residuals are staged)."""
+        return [k for k, _, _ in self.inputs]
+
+    def payload(self) -> list[Tensor]:
+        return [t for enc in self.encoded for t in enc.payload]
+
+    def write_dense(self, total: Tensor) -> None:
+        off = 0
+        for g in self.dense_grads:
+            g.copy_(total[off : off + g.numel()].view_as(g))
+            off += g.numel()
+
+    def encode_span(self) -> Span:
+        return Span(self.clock, self.t0, self.t1)
+
+
+def velocity(state, key: str, g: Tensor, param: Tensor) -> Tensor:
+    """Momentum correction: stage ``u <- m u + (g + wd w)`` and return what travels in place of
+    the gradient, ``u`` (or ``g + wd w + m u`` with Nesterov), exactly as ``torch.optim.SGD``
+    forms its update direction. ``g`` is flat fp32."""
+    h = state.codec.harness
+    d = g if not h.weight_decay else g + h.weight_decay * param.detach().reshape(-1).to(g.dtype)
+    previous = state.momentum_buffers.get(key)
+    u = d.clone() if previous is None else previous.mul(h.momentum).add_(d)
+    state.momentum_buffers.stage(key, u)
+    return d.add(u, alpha=h.momentum) if h.nesterov else u.clone()
+
+
+def local_reconstruction(codec: Codec, enc: EncodeResult, numel: int) -> Tensor:
+    """This rank's own input as its payload alone decodes: for residuals and ``rel_error``."""
+    if enc.local is not None:
+        return enc.local
+    return codec.decode([p.clone() for p in enc.payload], enc.ctx, numel, count=1)
+
+
+def encode_layers(state, buf: Tensor, layers: list, step: int) -> Encoded:
+    """Encode every compressed layer of a bucket and stage its residual; gather the dense rest."""
+    codec, memory, h = state.codec, state.memory, state.codec.harness
+    sample = step % state.stats_every == 0
+    clock = clock_for(buf.device)
+    out = Encoded(clock=clock, t0=clock.mark(), all_keys=[k for k, _, _ in layers])
+    params: list[Tensor] = []
+    for k, g, p in layers:
+        x = g.reshape(-1).to(torch.float32)
+        if h.momentum:
+            x = velocity(state, k, x, p)
+        if codec.should_compress(k, p):
+            if h.error_feedback:
+                x = memory.compensate(k, x)
+            out.inputs.append((k, g, x))
+            params.append(p)
+        else:
+            if h.momentum:
+                g.copy_(x.view_as(g))
+            out.dense_grads.append(g)
+    masking = h.momentum and h.momentum_masking and codec.sparse_local
+    if out.inputs and isinstance(codec, MultiRound):
+        rc = state.round_context(step, out.keys, out.all_keys)
+        out.extra_bytes = codec.prepare_bucket([(k, x, p) for (k, _, x), p in zip(out.inputs, params)], rc)
+    for (k, _, x), p in zip(out.inputs, params):
+        enc = codec.encode(x, k, p, step)
+        out.encoded.append(enc)
+        if h.error_feedback or sample or masking:
+            local = local_reconstruction(codec, enc, x.numel())
+            if masking:  # the sent coordinates start their momentum afresh
+                state.momentum_buffers.mask_pending(k, local == 0)
+            diff = x - local
+            if h.error_feedback:
+                memory.stage(k, diff)
+            if sample:
+                sent_diff = diff if enc.sent is None else x - enc.sent
+                out.err_sq = out.err_sq + sent_diff.double().pow(2).sum()
+                out.ref_sq = out.ref_sq + x.double().pow(2).sum()
+    if out.dense_grads:
+        out.dense = torch.cat([g.reshape(-1) for g in out.dense_grads]).to(torch.float32).div_(state.world_size)
+    else:
+        out.dense = torch.zeros(0, dtype=torch.float32, device=buf.device)
+    return out

@@ -1,0 +1,316 @@
+"""The hook's state between calls, and the dispatch of one bucket to its path."""
+
+import copy
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_gradcomp.codecs.base import Codec, LearnedState, RoundContext
+from lightning_gradcomp.fallback import FallbackPolicy
+from lightning_gradcomp.hook.consistency import group_device
+from lightning_gradcomp.memory import ResidualMemory
+from lightning_gradcomp.stats import StatsAccumulator
+
+__all__ = ["CodecHookState", "codec_hook", "NONFINITE_POLICIES"]
+
+NONFINITE_POLICIES = ("skip", "zero", "raise")
+
+
+class CodecHookState:
+    """Everything the hook remembers between calls.
+
+    Args:
+        codec: the codec to run.
+        process_group: the group to communicate in (``None``: the default group).
+        param_names: ``id(parameter) -> name``; names key the residuals and codec state so that
+            they survive DDP's bucket rebuild and a checkpoint. Without it, parameters are keyed by
+            their position in the first bucket that holds them (not checkpointable).
+        static_graph: DDP's ``static_graph`` flag; it delays the bucket rebuild by one step.
+        stats_every: sample the relative error every this many steps (it costs a local decode).
+        nonfinite: what to do when any rank's gradient holds a NaN or Inf, see the package docstring.
+        fallback: time each bucket plain and compressed for a few steps and send it plain for the
+            rest of the run when compressing it costs more (see :mod:`lightning_gradcomp.fallback`).
+    """
+
+    __slots__ = (
+        # configuration
+        "codec",
+        "process_group",
+        "param_names",
+        "first_compress_step",
+        "stats_every",
+        "nonfinite",
+        "fallback",
+        # internal state
+        "step",
+        "memory",
+        "momentum_buffers",
+        "residual_lr",
+        "stats",
+        "nonfinite_steps",
+        "skip_requested",
+        "_step_end_pending",
+        "_lock",
+        "_anon_keys",
+    )
+
+    def __init__(
+        self,
+        codec: Codec,
+        process_group: dist.ProcessGroup | None = None,
+        param_names: dict[int, str] | None = None,
+        static_graph: bool = False,
+        stats_every: int = 10,
+        nonfinite: str = "skip",
+        fallback: bool | None = None,
+    ) -> None:
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {list(NONFINITE_POLICIES)}, got {nonfinite!r}")
+        if int(stats_every) < 1:
+            raise ValueError(f"stats_every must be >= 1, got {stats_every!r}")
+        self.codec = codec
+        self.process_group = process_group
+        self.param_names = dict(param_names or {})
+        # DDP rebuilds buckets after step 0 (after step 1 with static_graph): never compress before.
+        self.first_compress_step = 3 if static_graph else 2
+        self.stats_every = int(stats_every)
+        self.nonfinite = nonfinite
+        self.fallback = FallbackPolicy(enabled=fallback)
+        self.step = 0
+        self.memory = ResidualMemory()
+        self.momentum_buffers = ResidualMemory()  # per-rank momentum of momentum correction
+        self.residual_lr: dict[str, float] = {}  # lr_scaled_feedback: the rate each residual is scaled to
+        self.stats = StatsAccumulator()
+        self.nonfinite_steps = 0
+        self.skip_requested = False
+        self._step_end_pending = False
+        self._lock = threading.Lock()
+        self._anon_keys: dict[int, str] = {}
+
+    # the process group cannot be pickled (spawn, checkpoints): drop it, fall back to WORLD
+    def __getstate__(self) -> dict[str, Any]:
+        return {s: getattr(self, s) for s in self.__slots__ if s not in ("process_group", "_lock")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+        self.process_group = None
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    def key_of(self, param: Tensor) -> str:
+        name = self.param_names.get(id(param))
+        if name is not None:
+            return name
+        return self._anon_keys.setdefault(id(param), f"param{len(self._anon_keys)}")
+
+    def rescale_residuals(self, lr_by_key: dict[str, float]) -> None:
+        """Learning-rate-scaled error feedback (the ``lr_scaled_feedback`` harness option): before a
+        step whose learning rate for parameter ``k`` is ``lr_by_key[k]``, multiply its residual by
+        ``lr_then / lr_now``, where ``lr_then`` is the rate it was last scaled to, so that
+        ``lr_now * residual`` stays the update the held-back gradients would have made at their own
+        steps. A rate of 0 leaves the residual and its rate as they are (what that step sends is
+        applied with rate 0, so it is lost: schedules reach 0 at most at their last step).
+        Identical on every rank, as the rates are; a no-op when the codec does not ask for it.
+        Call it before each backward (repeating it at an unchanged rate changes nothing)."""
+        if not self.codec.harness.lr_scaled_feedback:
+            return
+        for key, lr_now in lr_by_key.items():
+            if not lr_now > 0:
+                continue
+            lr_then = self.residual_lr.get(key)
+            if lr_then is not None and lr_then != lr_now:
+                self.memory.scale(key, lr_then / lr_now)
+            self.residual_lr[key] = float(lr_now)
+
+    def compressing(self, step: int | None = None) -> bool:
+        step = self.step if step is None else step
+        return step >= self.first_compress_step and self.codec.is_compressing(step)
+
+    # ----------------------------------------------------------------------------------------------
+    # checkpoints and snapshots
+    def state_dict(self) -> dict[str, Any]:
+        """State identical on every rank (the codec's and the step counter)."""
+        codec = self.codec
+        return {
+            "step": self.step,
+            "nonfinite_steps": self.nonfinite_steps,
+            "codec": codec.state_dict() if isinstance(codec, LearnedState) else {},
+            "fallback": self.fallback.state_dict(),
+            # a checkpoint is written between steps, before the codec's step-end work of the last
+            # step ran (it runs at the start of the next step): a resumed run must still run it
+            "step_end_pending": self._step_end_pending,
+            "residual_lr": dict(self.residual_lr),
+            # schedules given as a fraction of the run keep the step boundaries of the run that
+            # started them: a resume with a longer budget must not move lgc back into its warm-up
+            "run_total_steps": codec.run_total_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
+        _load_codec_state(self.codec, state["codec"])
+        self.fallback.load_state_dict(state.get("fallback", {}))
+        self._step_end_pending = bool(state.get("step_end_pending", False))
+        self.residual_lr = {str(k): float(v) for k, v in state.get("residual_lr", {}).items()}
+        if state.get("run_total_steps") is not None:
+            self.codec.fit_to_run(int(state["run_total_steps"]))
+
+    def rank_state_dict(self) -> dict[str, Tensor]:
+        """This rank's own tensors, flat and named: ``residual.*``, ``momentum.*``, ``codec.*``
+        (a codec's per-rank state) and ``stats.totals``."""
+        codec = self.codec
+        local = {f"residual.{k}": v for k, v in self.memory.state_dict().items()}
+        local.update({f"momentum.{k}": v for k, v in self.momentum_buffers.state_dict().items()})
+        if isinstance(codec, LearnedState):
+            local.update({f"codec.{k}": v for k, v in codec.rank_state_dict().items()})
+        local["stats.totals"] = self.stats.totals_tensor()
+        return local
+
+    def load_rank_state_dict(self, state: dict[str, Tensor], device: torch.device) -> None:
+        def part(prefix: str) -> dict[str, Tensor]:
+            return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+        self.memory.load_state_dict(part("residual."), device=device)
+        self.momentum_buffers.load_state_dict(part("momentum."), device=device)
+        _load_codec_state(self.codec, part("codec."), rank=True)
+        if "stats.totals" in state:  # absent from checkpoints written before the totals were kept
+            self.stats.load_totals_tensor(state["stats.totals"])
+
+    def snapshot(self) -> dict[str, Any]:
+        """A copy of what training changes here (codec state, residuals, momentum, rates), on the
+        CPU, for :meth:`restore`; the step counter and statistics are not part of it."""
+        codec = self.codec
+        return {
+            "codec": copy.deepcopy(codec.state_dict()) if isinstance(codec, LearnedState) else {},
+            "rank": {k: v.detach().cpu().clone() for k, v in self.rank_state_dict().items() if k != "stats.totals"},
+            "residual_lr": dict(self.residual_lr),
+        }
+
+    def restore(self, snapshot: dict[str, Any], device: torch.device) -> None:
+        _load_codec_state(self.codec, copy.deepcopy(snapshot["codec"]))
+        self.load_rank_state_dict({k: v.clone() for k, v in snapshot["rank"].items()}, device)
+        self.residual_lr = dict(snapshot["residual_lr"])
+
+    # ----------------------------------------------------------------------------------------------
+    # what the paths call back
+    def consume_skip(self) -> bool:
+        """True once after a step whose gradient was non-finite on some rank."""
+        with self._lock:
+            skip, self.skip_requested = self.skip_requested, False
+        return skip
+
+    def note_nonfinite(self) -> None:
+        with self._lock:
+            if not self.skip_requested:
+                self.nonfinite_steps += 1
+            self.skip_requested = True
+        self.stats.add(nonfinite=True)
+
+    def discard(self, buf: Tensor, keys: list[str] = (), momentum_keys: list[str] = ()) -> Tensor:
+        """A non-finite step: zero the bucket, drop what it staged, ask for the step to be skipped."""
+        buf.zero_()
+        self.memory.discard(list(keys))
+        self.momentum_buffers.discard(list(momentum_keys))
+        self.note_nonfinite()
+        return buf
+
+    def received(self, fut: torch.futures.Future, step: int) -> Any:
+        """The collective's result, or a clear error when it failed (a rank died or stalled)."""
+        try:
+            return fut.value()
+        except Exception as err:
+            raise RuntimeError(
+                f"gradient communication failed at optimizer step {step} (codec {self.codec.name!r}): {err}. "
+                "Another rank probably died or stalled; the wait is bounded by the process group's timeout "
+                "(CompressedDDPStrategy(timeout=...), init_process_group(timeout=...))."
+            ) from err
+
+    def round_context(self, step: int, keys: list[str] = (), momentum_keys: list[str] = ()) -> RoundContext:
+        """The narrow view a :class:`MultiRound` codec gets of this state for one bucket."""
+        assert self.codec.context is not None, "the codec's setup() was not called"
+        return RoundContext(
+            step=step,
+            comm=self.codec.context,
+            sample=step % self.stats_every == 0,
+            record=self.stats.add,
+            discard=lambda buf: self.discard(buf, keys, momentum_keys),
+        )
+
+    # ----------------------------------------------------------------------------------------------
+    def process_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        from lightning_gradcomp.hook import allgather, allreduce, custom, dense
+        from lightning_gradcomp.hook.encode import encode_layers
+
+        buf = bucket.buffer()
+        fallback = self.fallback
+        fallback.use_device(buf.device)
+        if self._step_end_pending:
+            self._run_step_end()
+        body_start = fallback.clock.mark() if fallback.wants_timing() else 0.0
+        step = self.step
+        # one cheap pass: the sum is finite iff every element is (barring fp32 overflow of the sum);
+        # it stays on the device and travels in the message, so no rank waits for it here
+        flag = torch.isfinite(buf.sum(dtype=torch.float32)).logical_not().to(torch.float32).reshape(1)
+        keys = [self.key_of(p) for p in bucket.parameters()]
+        layers = list(zip(keys, bucket.gradients(), bucket.parameters()))
+        bucket_key = f"{keys[0]}..{keys[-1]}[{len(keys)}]" if keys else "empty"
+        compress = self.compressing(step) and not fallback.falls_back(bucket_key)
+        collective = self.codec.collective_at(step)
+        if not compress:
+            fut = dense.send(self, buf, layers, flag, step)
+        elif collective == "custom":
+            fut = custom.send(self, bucket, layers, flag, step)
+        elif collective == "allreduce":
+            fut = allreduce.send(self, buf, encode_layers(self, buf, layers, step), flag, step)
+        elif collective == "allgather":
+            fut = allgather.send(self, buf, encode_layers(self, buf, layers, step), flag, step)
+        else:
+            raise ValueError(f"codec {self.codec.name!r} declares unknown collective {collective!r}")
+        if fallback.wants_timing():
+            fut = fallback.track(fut, bucket_key, compress, body_start)
+        if bucket.is_last():
+            self.step += 1
+            self._step_end_pending = True
+        return fut
+
+    def _run_step_end(self) -> None:
+        # the previous step's futures have all completed (DDP waited for them), so step-end
+        # work (refitting a basis, training an autoencoder) may run collectives here safely
+        self._step_end_pending = False
+        fallback = self.fallback
+        timing = fallback.wants_timing()
+        step_end_start = fallback.clock.mark() if timing else 0.0
+        if isinstance(self.codec, LearnedState):
+            self.codec.on_step_end(self.step - 1)
+        # a refit or an autoencoder's training is not what the fallback compares
+        fallback.start_step(exclude_s=(step_end_start, fallback.clock.mark()) if timing else 0.0)
+        fell_back = fallback.maybe_decide(self.process_group, group_device(self.process_group))
+        if fell_back is not None:
+            self.stats.set_extra(fallback_buckets=len(fell_back))
+
+
+# no "from __future__ import annotations" in this module: DDP checks the hook's annotations at run time
+def codec_hook(state: CodecHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook that compresses ``bucket`` with ``state.codec``.
+
+    Register it with ``ddp_model.register_comm_hook(state, codec_hook)``, or get both from
+    :func:`lightning_gradcomp.make_comm_hook`. The returned future resolves to the bucket's averaged
+    gradient (the sum over ranks divided by the world size), as DDP expects.
+    """
+    return state.process_bucket(bucket)
+
+
+def _load_codec_state(codec: Codec, state: dict[str, Any], rank: bool = False) -> None:
+    if isinstance(codec, LearnedState):
+        (codec.load_rank_state_dict if rank else codec.load_state_dict)(state)
+    elif state:
+        kind = "per-rank state" if rank else "state"
+        raise ValueError(f"codec {codec.name!r} keeps no {kind} but was given {sorted(state)}")
