@@ -4,7 +4,9 @@ the recipes' validation history, and (as root with iproute2) the network namespa
 
 from __future__ import annotations
 
+import argparse
 import csv
+import importlib
 import json
 import os
 import signal
@@ -17,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from lightning_gradcomp import available_codecs
-from lightning_gradcomp.bench import accuracy, link, netns, plot, tta
+from lightning_gradcomp.bench import accuracy, link, netns, paths, plot, tta
 from lightning_gradcomp.bench.__main__ import main as bench_main
 from lightning_gradcomp.bench.results import Column, format_table, markdown_table, write_csv
 from lightning_gradcomp.bench.worker import NoCommCodec, summarize
@@ -225,6 +227,52 @@ def test_plot_writes_figures_and_markdown(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
+# default locations (bench/paths.py)
+def test_results_default_to_the_checkout_docs_whatever_the_cwd(tmp_path, monkeypatch):
+    monkeypatch.delenv(paths.RESULTS_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert paths.checkout() == ROOT
+    assert paths.results_dir("codecs") == ROOT / "docs" / "results" / "codecs"
+    assert paths.figures_dir() == ROOT / "docs" / "figures"
+    assert paths.recipes_dir() == ROOT / "recipes" and (paths.recipes_dir() / "resnet_cifar10.py").is_file()
+    assert paths.benchmarks_markdown() == ROOT / "docs" / "benchmarks.md"
+    # the committed results sit where the defaults point
+    assert (paths.results_dir("link") / "link.json").is_file()
+    # and the verbs' defaults are those paths, not relative to the current directory
+    parser_defaults = {}
+    for verb in ("link", "codecs", "tta", "accuracy", "plot"):
+        p = argparse.ArgumentParser()
+        importlib.import_module(f"lightning_gradcomp.bench.{verb}").add_arguments(p)
+        parser_defaults[verb] = p.parse_args([])
+    assert parser_defaults["link"].out == str(ROOT / "docs" / "results" / "link")
+    assert parser_defaults["tta"].accuracy == str(ROOT / "docs" / "results" / "accuracy" / "accuracy.json")
+    assert parser_defaults["plot"].results == str(ROOT / "docs" / "results")
+    assert parser_defaults["plot"].figures == str(ROOT / "docs" / "figures")
+
+
+def test_results_environment_variable_wins_over_the_checkout(tmp_path, monkeypatch):
+    res = _results(tmp_path)
+    monkeypatch.setenv(paths.RESULTS_ENV, str(res))
+    assert paths.results_dir("tta") == res / "tta" and paths.figures_dir() == res / "figures"
+    assert bench_main(["plot"]) == 0  # reads the results under the variable and draws beside them
+    drawn = sorted(p.name for p in (res / "figures").glob("*.png"))
+    assert drawn == ["accuracy_cifar10.png", "link_resnet18_2hosts.png"]
+
+
+def test_outside_a_checkout_results_go_to_the_cache_and_recipes_must_be_named(tmp_path, monkeypatch):
+    monkeypatch.delenv(paths.RESULTS_ENV, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(paths, "_PACKAGE_DIR", tmp_path / "site-packages" / "lightning_gradcomp")
+    assert paths.checkout() is None
+    cache = tmp_path / "home" / ".cache" / "lightning_gradcomp" / "results"
+    assert paths.results_dir("link") == cache / "link" and paths.figures_dir() == cache / "figures"
+    with pytest.raises(SystemExit, match="--recipes-dir DIR"):
+        paths.recipes_dir()
+    with pytest.raises(SystemExit, match="--markdown FILE"):
+        bench_main(["plot", "--results", str(_results(tmp_path)), "--figures", str(tmp_path / "f"), "--markdown"])
+
+
+# --------------------------------------------------------------------------------------------------
 FAKE_RECIPE = """
 import argparse, json
 p = argparse.ArgumentParser()
@@ -313,8 +361,6 @@ def test_accuracy_seeds_and_epochs_reach_the_recipe(tmp_path, capsys):
             "1",
             "--recipes-dir",
             str(recipes),
-            "--cifar-data-dir",
-            "DATA",
             "--out",
             str(out),
         ]
@@ -330,6 +376,7 @@ def test_accuracy_seeds_and_epochs_reach_the_recipe(tmp_path, capsys):
     ]
     argv = data["rows"][3]["raw"]["argv"]
     assert argv["seed_everything"] == "1" and argv["trainer.max_epochs"] == "1" and "trainer.max_steps" not in argv
+    assert "data.data_dir" not in argv  # no --cifar-data-dir: the recipe looks in its own default places
     assert data["meta"]["max_epochs"] == 1 and data["meta"]["max_steps"] is None and data["meta"]["seeds"] == [0, 1]
     summary = {s["codec"]: s for s in data["summary"]}
     assert summary["none"]["metric_mean"] == pytest.approx(0.51)

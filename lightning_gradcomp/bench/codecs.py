@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning_gradcomp.bench import paths
 from lightning_gradcomp.bench.results import Column, format_table, machine_info, write_csv, write_json
 
 __all__ = ["COLUMNS", "add_arguments", "main", "measure_codec"]
@@ -78,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-warmup", type=int, default=30)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--out", default="bench_results/codecs")
+    p.add_argument("--out", default=str(paths.results_dir("codecs")), help="output directory (default: %(default)s)")
 
 
 def _init_single_process_group(device: str = "cpu") -> None:
