@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lightning_gradcomp import available_codecs
 from lightning_gradcomp.bench import accuracy, link, netns, paths, plot, tta
@@ -224,6 +225,84 @@ def test_plot_writes_figures_and_markdown(tmp_path):
     again = md.read_text()
     assert again.startswith("# Title\n\nintro\n" + plot.BEGIN) and again.endswith("\nclosing note\n")
     assert again.count(plot.BEGIN) == 1 and again.count("| codec | 10 Mbit/s") == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# codecs: cost on real gradients, learned codecs fitted first
+def _cifar_like_tarball(path: Path, per_class: int = 3) -> Path:
+    """CIFAR-10's tarball layout (``train/<class>/*.jpg``, a ``test/`` split) with a few 32x32 images."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    with tarfile.open(path, "w:gz") as tar:
+        for split in ("train", "test"):
+            for c, cls in enumerate(("cat", "airplane", "dog")):
+                for i in range(per_class):
+                    buf = io.BytesIO()
+                    Image.new("RGB", (32, 32), (40 * c, 10 * i, 200)).save(buf, format="JPEG")
+                    info = tarfile.TarInfo(f"{split}/{cls}/{i:04d}.jpg")
+                    info.size = len(buf.getvalue())
+                    tar.addfile(info, io.BytesIO(buf.getvalue()))
+    return path
+
+
+def test_cifar10_loader_reads_the_tarball_and_the_unpacked_tree_alike(tmp_path):
+    import tarfile
+
+    from lightning_gradcomp.bench.data import batches, load_cifar10
+
+    tarball = _cifar_like_tarball(tmp_path / "cifar10-jpeg.tar.gz")
+    x, y = load_cifar10(tarball, every=1)
+    assert x.shape == (9, 3, 32, 32) and sorted(y.tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # train split only
+    with tarfile.open(tarball) as tar:
+        tar.extractall(tmp_path / "tree", filter="data")
+    x2, y2 = load_cifar10(tmp_path / "tree", every=1)
+    order, order2 = y.argsort(stable=True), y2.argsort(stable=True)
+    assert torch.equal(y[order], y2[order2]) and torch.allclose(x[order], x2[order2])
+    assert load_cifar10(tmp_path, every=3)[0].shape[0] == 3  # a directory holding the tarball; every 3rd image
+    source, name = batches("tiny", 4, data={"cifar10": tarball})
+    xb, yb = next(source)
+    assert name == "cifar10" and xb.shape == (4, 3, 16, 16) and yb.max() < 3  # resized to the model's input
+    assert batches("mlp", 4, data={"cifar10": tarball})[1] == "fixed random"  # images do not fit an MLP
+
+
+def test_codecs_fit_steps_train_learned_codecs_before_measuring(tmp_path, capsys):
+    """--fit-steps: the codecs train on new batches before the timed steps; NAME@LABEL entries get
+    their own options; what the learned codecs fitted is reported beside their cost."""
+    tarball = _cifar_like_tarball(tmp_path / "cifar10-jpeg.tar.gz")
+    options = {
+        "gradiveq": {"basis_source": "aggregate", "warmup_steps": 4, "refresh_every": 0},
+        "gradiveq@d32": {"basis_source": "aggregate", "warmup_steps": 4, "refresh_every": 0, "slice_dim": 32},
+        "lgc": {"warmup_steps": 2, "ae_train_steps": 3, "ae_epochs": 1},
+    }
+    out = tmp_path / "codecs"
+    argv = ["codecs", "--models", "tiny,mlp", "--codecs", "none,gradiveq,gradiveq@d32,lgc", "--no-torch-powersgd"]
+    argv += ["--fit-steps", "7", "--steps", "2", "--codec-options", json.dumps(options), "--out", str(out)]
+    argv += ["--data", f"cifar10={tarball}"]
+    threads = torch.get_num_threads()
+    try:
+        assert bench_main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)  # the verb pins one thread for the process
+    rows = {(r["model"], r["codec"]): r for r in json.loads((out / "codecs.json").read_text())["rows"]}
+    assert len(rows) == 8
+    assert {r["batches"] for (m, _), r in rows.items() if m == "tiny"} == {"cifar10"}
+    assert {r["batches"] for (m, _), r in rows.items() if m == "mlp"} == {"random"}  # new ones each step
+    for r in rows.values():
+        assert r["warmup_steps"] >= 7 and r["measured_steps"] == 2
+    for model in ("tiny", "mlp"):
+        assert rows[(model, "gradiveq@d32")]["options"]["slice_dim"] == 32
+        assert rows[(model, "gradiveq")]["options"]["slice_dim"] == 64
+        for codec in ("gradiveq", "gradiveq@d32"):  # bases fitted on the warm-up, measured compressing
+            r = rows[(model, codec)]
+            assert r["basis_k"] == 4 and 0 < r["explained_variance"] <= 1 and r["compression_ratio"] > 4
+        lgc = rows[(model, "lgc")]  # stage 3 from step 5: the autoencoder trained within the fit steps
+        assert lgc["ae_train_s"] > 0 and lgc["ae_params"] > 1000 and "ae_recon_error" in lgc
+        assert "ae_train_s" not in rows[(model, "none")]
+    printed = capsys.readouterr().out
+    assert "AE train s" in printed and "PCA EV" in printed and "gradiveq@d32" in printed
 
 
 # --------------------------------------------------------------------------------------------------

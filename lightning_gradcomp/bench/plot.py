@@ -322,7 +322,7 @@ def write_markdown(path: Path, results: Path, figures: list[Path]) -> Path:
             "",
             *_commands(codecs["meta"].get("argv", [])),
             "",
-            markdown_table(codecs["rows"], codecs_mod.COLUMNS),
+            markdown_table(codecs["rows"], codecs_mod.columns_for(codecs["rows"])),
             "",
         ]
     if acc:
