@@ -306,6 +306,29 @@ def test_codecs_fit_steps_train_learned_codecs_before_measuring(tmp_path, capsys
 
 
 # --------------------------------------------------------------------------------------------------
+# memory: RSS over a run
+def test_memory_reports_rss_per_rank_early_and_late(tmp_path, capsys):
+    out = tmp_path / "memory"
+    argv = ["memory", "--ranks", "2", "--steps", "20", "--start", "5", "--codec", "topk", "--out", str(out)]
+    assert bench_main(argv) == 0
+    rows = json.loads((out / "memory.json").read_text())["rows"]
+    assert [r["rank"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["steps"] == 20 and r["start_step"] == 5 and r["model"] == "mlp"
+        assert 0 < r["compressed_steps"] < 20  # the codec ran (from its start step on), not the fallback
+        assert r["rss_start_mib"] > 10 and r["peak_end_mib"] >= r["peak_start_mib"] >= r["rss_start_mib"]
+        assert r["rss_growth_mib"] == pytest.approx(r["rss_end_mib"] - r["rss_start_mib"])
+        assert r["residual_norm"] > 0  # error feedback holds what top-k left out
+    assert (out / "memory.csv").read_text().startswith("rank,codec,model,steps,")
+    assert "RSS growth" in capsys.readouterr().out
+
+
+def test_memory_refuses_an_unknown_codec_before_starting_ranks(tmp_path, capsys):
+    assert bench_main(["memory", "--codec", "zip", "--out", str(tmp_path)]) == 2
+    assert "unknown codec 'zip'" in capsys.readouterr().err and not any(tmp_path.iterdir())
+
+
+# --------------------------------------------------------------------------------------------------
 # default locations (bench/paths.py)
 def test_results_default_to_the_checkout_docs_whatever_the_cwd(tmp_path, monkeypatch):
     monkeypatch.delenv(paths.RESULTS_ENV, raising=False)
