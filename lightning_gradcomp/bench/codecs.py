@@ -305,7 +305,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     options = json.loads(args.codec_options)
     try:
-        args.data_paths = parse_data(args.data)
+        args.data_paths = parse_data(getattr(args, "data", None))
     except ValueError as err:
         print(f"codecs: {err}", file=sys.stderr)
         return 2
