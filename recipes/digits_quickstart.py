@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_gradcomp.cli import CompressedTrainingCLI
+from lightning_gradcomp.zoo import mlp
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "digits_quickstart.yaml"
 
@@ -78,9 +79,7 @@ class DigitsMLP(L.LightningModule):
     def __init__(self, hidden: int = 256, lr: float = 5e-3) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(
-            nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)
-        )
+        self.net = mlp(64, hidden, 10)
         self.val_acc = MulticlassAccuracy(10, average="micro")
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

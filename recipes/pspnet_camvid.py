@@ -29,12 +29,12 @@ The model. smp's PSPNet reads only the first ``encoder_depth`` (3) stages of its
 pyramid pooling sits on the stride-8 features. The deeper stages are still built (for resnet18,
 ``layer3`` and ``layer4``: 10.5 M of the 11.4 M parameters) but never run, so they get no
 gradient and DDP stops with an "unused parameters" error. Instead of paying for
-``find_unused_parameters=True`` (an extra graph traversal every step), :func:`prune_unused`
+``find_unused_parameters=True`` (an extra graph traversal every step), ``lightning_gradcomp.zoo.pspnet``
 runs one forward/backward at build time and replaces every sub-module that received no gradient
-with ``nn.Identity``. With resnet18 and 11 classes the model then holds 882,475 parameters:
-the stem, ``layer1`` and ``layer2`` of the encoder (683,072), the pyramid pooling decoder
-(148,704) and the segmentation head (50,699); Lightning's model summary prints the counts for
-other encoders. Only these parameters are trained and communicated.
+with ``nn.Identity`` (``zoo.prune_unused``). With resnet18 and 11 classes the model then holds
+882,475 parameters: the stem, ``layer1`` and ``layer2`` of the encoder (683,072), the pyramid
+pooling decoder (148,704) and the segmentation head (50,699); Lightning's model summary prints
+the counts for other encoders. Only these parameters are trained and communicated.
 
 Metrics: per-class IoU from a torchmetrics confusion matrix (``ignore_index=11``) summed over the
 whole val split on all ranks; mean IoU is the mean over the classes that occur in the val split
@@ -50,7 +50,6 @@ from __future__ import annotations
 import math
 import random
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +61,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 from lightning_gradcomp.cli import CompressedTrainingCLI
+from lightning_gradcomp.zoo import pspnet
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = Path(__file__).resolve().parent / "configs" / "pspnet_camvid.yaml"
@@ -147,56 +147,6 @@ def _pad_to(image: torch.Tensor, label: torch.Tensor, h: int, w: int) -> tuple[t
 
 
 # ----------------------------------------------------------------------------------------------------
-# model
-def build_model(encoder: str, weights: str | None, num_classes: int = len(CLASSES)) -> nn.Module:
-    """smp PSPNet with ``encoder`` (random init, or a local state dict), unused stages removed."""
-    import segmentation_models_pytorch as smp
-
-    model = smp.PSPNet(encoder_name=encoder, encoder_weights=None, classes=num_classes)
-    if weights:
-        state = torch.load(weights, map_location="cpu", weights_only=True)
-        state = state.get("state_dict", state)
-        state = {k.removeprefix("encoder."): v for k, v in state.items()}
-        own = model.encoder.state_dict()
-        usable = {k: v for k, v in state.items() if k in own}
-        if not usable:
-            raise SystemExit(f"encoder_weights {weights}: no key matches the {encoder} encoder")
-        model.encoder.load_state_dict(usable, strict=False)  # smp's override returns nothing: count ourselves
-        missing = sorted(set(own) - set(usable))
-        if missing:
-            warnings.warn(f"encoder_weights left {len(missing)} encoder tensors at random init, e.g. {missing[0]}")
-    return prune_unused(model)
-
-
-def prune_unused(model: nn.Module, size: int = 64) -> nn.Module:
-    """Replace every sub-module that gets no gradient in a forward/backward with ``nn.Identity``.
-
-    Such modules are never run (smp builds all encoder stages, PSPNet reads the first three), so
-    this changes no output; it lets DDP run without ``find_unused_parameters``.
-    """
-    was_training = model.training
-    model.eval()  # batch statistics of a random batch must not leak into BatchNorm buffers
-    model(torch.randn(1, 3, size, size)).sum().backward()
-
-    def walk(module: nn.Module) -> None:
-        for name, child in module.named_children():
-            params = list(child.parameters())
-            if params and all(p.grad is None for p in params):
-                setattr(module, name, nn.Identity())
-            elif params:
-                walk(child)
-
-    walk(model)
-    model.zero_grad(set_to_none=True)
-    model(torch.randn(1, 3, size, size)).sum().backward()  # every parameter left must now be used
-    unused = [n for n, p in model.named_parameters() if p.grad is None]
-    if unused:
-        raise RuntimeError(f"parameters without gradient after pruning: {unused[:5]}")
-    model.zero_grad(set_to_none=True)
-    return model.train(was_training)
-
-
-# ----------------------------------------------------------------------------------------------------
 # Lightning
 class CamVidDataModule(L.LightningDataModule):
     """CamVid in the SegNet layout: random rescaled crops for training, whole images for validation.
@@ -265,7 +215,7 @@ class PSPNetSegmenter(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = build_model(encoder, encoder_weights)
+        self.model = pspnet(encoder, len(CLASSES), encoder_weights)
         self.loss = nn.CrossEntropyLoss(ignore_index=VOID)
         self.confmat = MulticlassConfusionMatrix(len(CLASSES), ignore_index=VOID)
 

@@ -1,8 +1,8 @@
 """A CIFAR-shaped ResNet on CIFAR-10 with compressed data-parallel gradients.
 
 torchvision's ``resnet18(num_classes=10)`` with the CIFAR stem (``conv1`` 3x3, stride 1,
-padding 1; no max-pool): 11,173,962 parameters, all used, so DDP needs no
-``find_unused_parameters``. ``--model.model resnet10`` (one block per stage, 4,903,242
+padding 1; no max-pool), built by ``lightning_gradcomp.zoo.cifar_resnet``: 11,173,962 parameters,
+all used, so DDP needs no ``find_unused_parameters``. ``--model.model resnet10`` (one block per stage, 4,903,242
 parameters) halves the compute for CPU budgets. Trained with SGD (Nesterov momentum, cosine
 schedule) under ``CompressedDDPStrategy``; accuracy with torchmetrics.
 
@@ -56,6 +56,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_gradcomp.cli import CompressedTrainingCLI
+from lightning_gradcomp.zoo import cifar_resnet
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = Path(__file__).resolve().parent / "configs" / "resnet_cifar10.yaml"
@@ -146,23 +147,6 @@ def subset(ds: Dataset, n: int | None, seed: int) -> Dataset:
 
 
 # ----------------------------------------------------------------------------------------------------
-# model
-def build_model(name: str, num_classes: int = 10) -> nn.Module:
-    """torchvision ResNet with the CIFAR stem: 3x3 stride-1 first convolution, no max-pool."""
-    from torchvision.models import ResNet, resnet18
-    from torchvision.models.resnet import BasicBlock
-
-    model = (
-        resnet18(num_classes=num_classes)
-        if name == "resnet18"
-        else ResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes)
-    )
-    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-    model.maxpool = nn.Identity()
-    return model
-
-
-# ----------------------------------------------------------------------------------------------------
 # Lightning
 class CIFAR10DataModule(L.LightningDataModule):
     """CIFAR-10 from a local folder, tarball or torchvision files (never downloaded).
@@ -243,7 +227,7 @@ class CIFAR10Classifier(L.LightningModule):
         if model not in ("resnet18", "resnet10"):
             raise ValueError(f"model must be 'resnet18' or 'resnet10', got {model!r}")
         self.save_hyperparameters()
-        self.model = build_model(model)
+        self.model = cifar_resnet(int(model.removeprefix("resnet")))
         self.loss = nn.CrossEntropyLoss()
         self.train_acc = MulticlassAccuracy(len(CLASSES), average="micro")
         self.val_acc = MulticlassAccuracy(len(CLASSES), average="micro")

@@ -4,7 +4,9 @@ the recipes' validation history, and (as root with iproute2) the network namespa
 
 from __future__ import annotations
 
+import argparse
 import csv
+import importlib
 import json
 import os
 import signal
@@ -15,9 +17,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from lightning_gradcomp import available_codecs
-from lightning_gradcomp.bench import accuracy, link, netns, plot, tta
+from lightning_gradcomp.bench import accuracy, link, netns, paths, plot, tta
 from lightning_gradcomp.bench.__main__ import main as bench_main
 from lightning_gradcomp.bench.results import Column, format_table, markdown_table, write_csv
 from lightning_gradcomp.bench.worker import NoCommCodec, summarize
@@ -225,6 +228,153 @@ def test_plot_writes_figures_and_markdown(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
+# codecs: cost on real gradients, learned codecs fitted first
+def _cifar_like_tarball(path: Path, per_class: int = 3) -> Path:
+    """CIFAR-10's tarball layout (``train/<class>/*.jpg``, a ``test/`` split) with a few 32x32 images."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    with tarfile.open(path, "w:gz") as tar:
+        for split in ("train", "test"):
+            for c, cls in enumerate(("cat", "airplane", "dog")):
+                for i in range(per_class):
+                    buf = io.BytesIO()
+                    Image.new("RGB", (32, 32), (40 * c, 10 * i, 200)).save(buf, format="JPEG")
+                    info = tarfile.TarInfo(f"{split}/{cls}/{i:04d}.jpg")
+                    info.size = len(buf.getvalue())
+                    tar.addfile(info, io.BytesIO(buf.getvalue()))
+    return path
+
+
+def test_cifar10_loader_reads_the_tarball_and_the_unpacked_tree_alike(tmp_path):
+    import tarfile
+
+    from lightning_gradcomp.bench.data import batches, load_cifar10
+
+    tarball = _cifar_like_tarball(tmp_path / "cifar10-jpeg.tar.gz")
+    x, y = load_cifar10(tarball, every=1)
+    assert x.shape == (9, 3, 32, 32) and sorted(y.tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # train split only
+    with tarfile.open(tarball) as tar:
+        tar.extractall(tmp_path / "tree", filter="data")
+    x2, y2 = load_cifar10(tmp_path / "tree", every=1)
+    order, order2 = y.argsort(stable=True), y2.argsort(stable=True)
+    assert torch.equal(y[order], y2[order2]) and torch.allclose(x[order], x2[order2])
+    assert load_cifar10(tmp_path, every=3)[0].shape[0] == 3  # a directory holding the tarball; every 3rd image
+    source, name = batches("tiny", 4, data={"cifar10": tarball})
+    xb, yb = next(source)
+    assert name == "cifar10" and xb.shape == (4, 3, 16, 16) and yb.max() < 3  # resized to the model's input
+    assert batches("mlp", 4, data={"cifar10": tarball})[1] == "fixed random"  # images do not fit an MLP
+
+
+def test_codecs_fit_steps_train_learned_codecs_before_measuring(tmp_path, capsys):
+    """--fit-steps: the codecs train on new batches before the timed steps; NAME@LABEL entries get
+    their own options; what the learned codecs fitted is reported beside their cost."""
+    tarball = _cifar_like_tarball(tmp_path / "cifar10-jpeg.tar.gz")
+    options = {
+        "gradiveq": {"basis_source": "aggregate", "warmup_steps": 4, "refresh_every": 0},
+        "gradiveq@d32": {"basis_source": "aggregate", "warmup_steps": 4, "refresh_every": 0, "slice_dim": 32},
+        "lgc": {"warmup_steps": 2, "ae_train_steps": 3, "ae_epochs": 1},
+    }
+    out = tmp_path / "codecs"
+    argv = ["codecs", "--models", "tiny,mlp", "--codecs", "none,gradiveq,gradiveq@d32,lgc", "--no-torch-powersgd"]
+    argv += ["--fit-steps", "7", "--steps", "2", "--codec-options", json.dumps(options), "--out", str(out)]
+    argv += ["--data", f"cifar10={tarball}"]
+    threads = torch.get_num_threads()
+    try:
+        assert bench_main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)  # the verb pins one thread for the process
+    rows = {(r["model"], r["codec"]): r for r in json.loads((out / "codecs.json").read_text())["rows"]}
+    assert len(rows) == 8
+    assert {r["batches"] for (m, _), r in rows.items() if m == "tiny"} == {"cifar10"}
+    assert {r["batches"] for (m, _), r in rows.items() if m == "mlp"} == {"random"}  # new ones each step
+    for r in rows.values():
+        assert r["warmup_steps"] >= 7 and r["measured_steps"] == 2
+    for model in ("tiny", "mlp"):
+        assert rows[(model, "gradiveq@d32")]["options"]["slice_dim"] == 32
+        assert rows[(model, "gradiveq")]["options"]["slice_dim"] == 64
+        for codec in ("gradiveq", "gradiveq@d32"):  # bases fitted on the warm-up, measured compressing
+            r = rows[(model, codec)]
+            assert r["basis_k"] == 4 and 0 < r["explained_variance"] <= 1 and r["compression_ratio"] > 4
+        lgc = rows[(model, "lgc")]  # stage 3 from step 5: the autoencoder trained within the fit steps
+        assert lgc["ae_train_s"] > 0 and lgc["ae_params"] > 1000 and "ae_recon_error" in lgc
+        assert "ae_train_s" not in rows[(model, "none")]
+    printed = capsys.readouterr().out
+    assert "AE train s" in printed and "PCA EV" in printed and "gradiveq@d32" in printed
+
+
+# --------------------------------------------------------------------------------------------------
+# memory: RSS over a run
+def test_memory_reports_rss_per_rank_early_and_late(tmp_path, capsys):
+    out = tmp_path / "memory"
+    argv = ["memory", "--ranks", "2", "--steps", "20", "--start", "5", "--codec", "topk", "--out", str(out)]
+    assert bench_main(argv) == 0
+    rows = json.loads((out / "memory.json").read_text())["rows"]
+    assert [r["rank"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["steps"] == 20 and r["start_step"] == 5 and r["model"] == "mlp"
+        assert 0 < r["compressed_steps"] < 20  # the codec ran (from its start step on), not the fallback
+        assert r["rss_start_mib"] > 10 and r["peak_end_mib"] >= r["peak_start_mib"] >= r["rss_start_mib"]
+        assert r["rss_growth_mib"] == pytest.approx(r["rss_end_mib"] - r["rss_start_mib"])
+        assert r["residual_norm"] > 0  # error feedback holds what top-k left out
+    assert (out / "memory.csv").read_text().startswith("rank,codec,model,steps,")
+    assert "RSS growth" in capsys.readouterr().out
+
+
+def test_memory_refuses_an_unknown_codec_before_starting_ranks(tmp_path, capsys):
+    assert bench_main(["memory", "--codec", "zip", "--out", str(tmp_path)]) == 2
+    assert "unknown codec 'zip'" in capsys.readouterr().err and not any(tmp_path.iterdir())
+
+
+# --------------------------------------------------------------------------------------------------
+# default locations (bench/paths.py)
+def test_results_default_to_the_checkout_docs_whatever_the_cwd(tmp_path, monkeypatch):
+    monkeypatch.delenv(paths.RESULTS_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert paths.checkout() == ROOT
+    assert paths.results_dir("codecs") == ROOT / "docs" / "results" / "codecs"
+    assert paths.figures_dir() == ROOT / "docs" / "figures"
+    assert paths.recipes_dir() == ROOT / "recipes" and (paths.recipes_dir() / "resnet_cifar10.py").is_file()
+    assert paths.benchmarks_markdown() == ROOT / "docs" / "benchmarks.md"
+    # the committed results sit where the defaults point
+    assert (paths.results_dir("link") / "link.json").is_file()
+    # and the verbs' defaults are those paths, not relative to the current directory
+    parser_defaults = {}
+    for verb in ("link", "codecs", "tta", "accuracy", "plot"):
+        p = argparse.ArgumentParser()
+        importlib.import_module(f"lightning_gradcomp.bench.{verb}").add_arguments(p)
+        parser_defaults[verb] = p.parse_args([])
+    assert parser_defaults["link"].out == str(ROOT / "docs" / "results" / "link")
+    assert parser_defaults["tta"].accuracy == str(ROOT / "docs" / "results" / "accuracy" / "accuracy.json")
+    assert parser_defaults["plot"].results == str(ROOT / "docs" / "results")
+    assert parser_defaults["plot"].figures == str(ROOT / "docs" / "figures")
+
+
+def test_results_environment_variable_wins_over_the_checkout(tmp_path, monkeypatch):
+    res = _results(tmp_path)
+    monkeypatch.setenv(paths.RESULTS_ENV, str(res))
+    assert paths.results_dir("tta") == res / "tta" and paths.figures_dir() == res / "figures"
+    assert bench_main(["plot"]) == 0  # reads the results under the variable and draws beside them
+    drawn = sorted(p.name for p in (res / "figures").glob("*.png"))
+    assert drawn == ["accuracy_cifar10.png", "link_resnet18_2hosts.png"]
+
+
+def test_outside_a_checkout_results_go_to_the_cache_and_recipes_must_be_named(tmp_path, monkeypatch):
+    monkeypatch.delenv(paths.RESULTS_ENV, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(paths, "_PACKAGE_DIR", tmp_path / "site-packages" / "lightning_gradcomp")
+    assert paths.checkout() is None
+    cache = tmp_path / "home" / ".cache" / "lightning_gradcomp" / "results"
+    assert paths.results_dir("link") == cache / "link" and paths.figures_dir() == cache / "figures"
+    with pytest.raises(SystemExit, match="--recipes-dir DIR"):
+        paths.recipes_dir()
+    with pytest.raises(SystemExit, match="--markdown FILE"):
+        bench_main(["plot", "--results", str(_results(tmp_path)), "--figures", str(tmp_path / "f"), "--markdown"])
+
+
+# --------------------------------------------------------------------------------------------------
 FAKE_RECIPE = """
 import argparse, json
 p = argparse.ArgumentParser()
@@ -313,8 +463,6 @@ def test_accuracy_seeds_and_epochs_reach_the_recipe(tmp_path, capsys):
             "1",
             "--recipes-dir",
             str(recipes),
-            "--cifar-data-dir",
-            "DATA",
             "--out",
             str(out),
         ]
@@ -330,6 +478,7 @@ def test_accuracy_seeds_and_epochs_reach_the_recipe(tmp_path, capsys):
     ]
     argv = data["rows"][3]["raw"]["argv"]
     assert argv["seed_everything"] == "1" and argv["trainer.max_epochs"] == "1" and "trainer.max_steps" not in argv
+    assert "data.data_dir" not in argv  # no --cifar-data-dir: the recipe looks in its own default places
     assert data["meta"]["max_epochs"] == 1 and data["meta"]["max_steps"] is None and data["meta"]["seeds"] == [0, 1]
     summary = {s["codec"]: s for s in data["summary"]}
     assert summary["none"]["metric_mean"] == pytest.approx(0.51)

@@ -10,30 +10,19 @@ from torch import nn
 
 from lightning_gradcomp.codecs.base import weight_layer_ends
 from lightning_gradcomp.registry import available_codecs, make_codec
-
-
-def _cifar_resnet18() -> nn.Module:
-    from torchvision.models import resnet18
-
-    model = resnet18(num_classes=10)
-    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
-    return model
-
-
-def _mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+from lightning_gradcomp.zoo import cifar_resnet, mlp
 
 
 def test_auto_keeps_the_stem_and_the_classifier_of_resnet18():
     codec = make_codec("topk")
-    dense = codec.plan_layers(_cifar_resnet18().named_parameters())
+    dense = codec.plan_layers(cifar_resnet(18).named_parameters())
     assert dense == {"conv1.weight", "fc.weight", "fc.bias"}
     assert not codec.should_compress("fc.weight", torch.zeros(5120))
     assert codec.should_compress("layer4.1.conv2.weight", torch.zeros(2_359_296))
 
 
 def test_patterns_none_and_frozen_parameters():
-    model = _cifar_resnet18()
+    model = cifar_resnet(18)
     codec = make_codec("topk", dense_layers=["auto", "layer4.*.conv2.weight"])
     assert codec.plan_layers(model.named_parameters()) == {
         "conv1.weight", "fc.weight", "fc.bias", "layer4.0.conv2.weight", "layer4.1.conv2.weight"
@@ -49,7 +38,7 @@ def test_bad_policies_are_rejected_with_the_choices():
     with pytest.raises(ValueError, match="dense_layers must be 'auto', 'none' or a list"):
         make_codec("topk", dense_layers=3)
     with pytest.raises(ValueError, match=r"pattern 'head\.\*' matches no trainable parameter \(names: conv1.weight"):
-        make_codec("iwp", dense_layers=["head.*"]).plan_layers(_cifar_resnet18().named_parameters())
+        make_codec("iwp", dense_layers=["head.*"]).plan_layers(cifar_resnet(18).named_parameters())
     with pytest.raises(ValueError, match="chooses its compressed layers itself"):
         make_codec("powersgd", dense_layers="auto")
 
@@ -59,7 +48,7 @@ def test_every_codec_takes_the_policy(name):
     codec = make_codec(name)
     assert codec.config()["dense_layers"] == ["auto"]
     # the first layer is 19 % of this MLP, more than an end layer may be to stay dense
-    assert codec.plan_layers(_mlp().named_parameters()) == {"4.weight", "4.bias"}
+    assert codec.plan_layers(mlp().named_parameters()) == {"4.weight", "4.bias"}
 
 
 def _dense_layers_exact(rank: int, world: int, codec: str) -> list[dict]:
@@ -68,7 +57,7 @@ def _dense_layers_exact(rank: int, world: int, codec: str) -> list[dict]:
     from lightning_gradcomp.api import make_comm_hook
 
     torch.manual_seed(0)
-    model = _mlp()
+    model = mlp()
     ddp = DDP(model)
     policy = ["0.*", "4.*"]  # the first and the last layer, by name
     state, hook = make_comm_hook(
@@ -79,7 +68,7 @@ def _dense_layers_exact(rank: int, world: int, codec: str) -> list[dict]:
     rows = []
     for step in range(5):
         x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
-        ref = _mlp()
+        ref = mlp()
         ref.load_state_dict(model.state_dict())
         nn.functional.cross_entropy(ref(x), y).backward()
         mean = [p.grad.clone() for p in ref.parameters()]

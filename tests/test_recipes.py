@@ -345,31 +345,6 @@ def test_missing_data_and_bad_codec_messages(tmp_path):
             assert words in err
 
 
-def test_prune_unused_keeps_the_function():
-    """Pruned PSPNet = the full one on the same weights; only the used stages remain."""
-    import segmentation_models_pytorch as smp
-
-    psp = load_recipe("pspnet_camvid")
-    torch.manual_seed(0)
-    pruned = psp.build_model("resnet18", None)
-    full = smp.PSPNet("resnet18", encoder_weights=None, classes=11)
-    missing = full.load_state_dict(pruned.state_dict(), strict=False).missing_keys
-    assert missing and all(k.startswith(("encoder.layer3.", "encoder.layer4.")) for k in missing)
-    assert isinstance(pruned.encoder.layer3, torch.nn.Identity) and isinstance(pruned.encoder.layer4, torch.nn.Identity)
-    assert sum(p.numel() for p in pruned.parameters()) == 882_475  # the count the docstring states
-    x = torch.randn(2, 3, 64, 96)
-    pruned.eval(), full.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(pruned(x), full(x))
-
-
-def test_cifar_resnet_shape():
-    cifar = load_recipe("resnet_cifar10")
-    model = cifar.build_model("resnet18")
-    assert model.conv1.weight.shape == (64, 3, 3, 3) and isinstance(model.maxpool, torch.nn.Identity)
-    assert sum(p.numel() for p in model.parameters()) == 11_173_962
-
-
 @pytest.mark.parametrize("recipe", ["digits_quickstart", "resnet_cifar10", "pspnet_camvid"])
 def test_recipe_cli_rejects_bad_codec_input_before_training(recipe, capsys):
     mod = load_recipe(recipe)
@@ -491,19 +466,3 @@ def test_resnet_real_cifar10(tmp_path):
     m = json.loads((tmp_path / "m.json").read_text())
     assert m["steps"] == 3 and 0 <= m["metrics"]["val/acc"] <= 1 and m["compression_ratio_last"] > 10
     assert (tmp_path / "cache" / "cifar10-jpeg" / "test" / "airplane").is_dir()
-
-
-def test_pspnet_local_encoder_weights(tmp_path):
-    """``--encoder-weights`` loads a torchvision state dict (its ``fc`` and deeper stages ignored)."""
-    import torchvision
-
-    psp = load_recipe("pspnet_camvid")
-    torch.manual_seed(1)
-    reference = torchvision.models.resnet18()
-    torch.save(reference.state_dict(), tmp_path / "r18.pth")
-    model = psp.build_model("resnet18", str(tmp_path / "r18.pth"))
-    torch.testing.assert_close(model.encoder.conv1.weight, reference.conv1.weight, rtol=0, atol=0)
-    torch.testing.assert_close(model.encoder.layer2[1].conv2.weight, reference.layer2[1].conv2.weight, rtol=0, atol=0)
-    torch.save({"unrelated.weight": torch.zeros(3)}, tmp_path / "bad.pth")
-    with pytest.raises(SystemExit, match="no key matches"):
-        psp.build_model("resnet18", str(tmp_path / "bad.pth"))

@@ -1,4 +1,4 @@
-"""``python -m lightning_gradcomp.bench {link,codecs,accuracy,tta,plot} [options]``."""
+"""``python -m lightning_gradcomp.bench {link,codecs,accuracy,tta,memory,plot} [options]``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ COMMANDS = {
     "codecs": "encode + decode cost of each codec on real gradients, one process",
     "accuracy": "task metric against bytes sent: the recipes with a fixed budget per codec and seed",
     "tta": "time to accuracy on a slow link: accuracy runs' steps to target x link runs' step time",
+    "memory": "RSS and peak RSS per rank early and late in a long compressed run (a leak shows as growth)",
     "plot": "figures and docs/benchmarks.md tables from the JSON results",
 }
 

@@ -4,7 +4,7 @@ Runs the project's recipes as they are (``recipes/resnet_cifar10.py`` on CIFAR-1
 ``recipes/pspnet_camvid.py`` on CamVid) as subprocesses, one per (task, codec, seed), each on
 its YAML config with ``--trainer.strategy.codec NAME --trainer.devices 2 --seed_everything S
 --trainer.max_steps N`` (or ``--trainer.max_epochs N``) ``--report.metrics_json PATH
---data.data_dir DIR --trainer.strategy.fallback false``, and collects what each writes: the task
+--trainer.strategy.fallback false`` (and ``--data.data_dir DIR`` when given), and collects what each writes: the task
 metric (top-1 accuracy, mean IoU), the total bytes the gradients sent, the compression ratio over
 the whole run and at its last step, and the validation history (metric at the step of every
 validation, the input of ``tta``). Nothing of the recipes is re-implemented here.
@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning_gradcomp.bench import paths
 from lightning_gradcomp.bench.results import Column, format_table, machine_info, write_csv, write_json
 
 __all__ = [
@@ -113,9 +114,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-epochs", type=int, default=None, help="epochs per run, instead of (or with) --max-steps")
     p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--recipes-dir", default="recipes")
-    p.add_argument("--cifar-data-dir", default="../shared/data/cifar10-jpeg.tar.gz")
-    p.add_argument("--camvid-data-dir", default="../shared/data/CamVid")
+    p.add_argument("--recipes-dir", default=None, help="the recipes (default: the checkout's recipes/)")
+    p.add_argument(
+        "--cifar-data-dir", default=None, help="CIFAR-10 for resnet_cifar10.py (default: the recipe's own default)"
+    )
+    p.add_argument("--camvid-data-dir", default=None, help="CamVid for pspnet_camvid.py (default: the recipe's own)")
     p.add_argument("--recipe-args", default="", help="extra arguments passed to every recipe")
     p.add_argument("--metric-key", default=None, help="key of the task metric in the recipe's JSON (default: guessed)")
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per recipe run")
@@ -125,7 +128,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep OUT/accuracy.json: skip the configurations it holds with status ok, run the failed and missing ones",
     )
-    p.add_argument("--out", default="bench_results/accuracy")
+    p.add_argument("--out", default=str(paths.results_dir("accuracy")), help="output directory (default: %(default)s)")
 
 
 def _pick(d: dict[str, Any], keys: tuple[str, ...]) -> tuple[str | None, Any]:
@@ -245,7 +248,7 @@ def config_key(row: dict[str, Any]) -> tuple:
 
 def run_recipe(task: str, codec: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One recipe run as a subprocess; its row, with the configuration that :func:`config_key` reads."""
-    script = Path(args.recipes_dir) / TASKS[task][0]
+    script = Path(args.recipes_dir or paths.recipes_dir()) / TASKS[task][0]
     data_dir = args.cifar_data_dir if task == "cifar10" else args.camvid_data_dir
     name = f"{task}-{codec}-seed{seed}"
     metrics = out / "runs" / f"{name}.json"
@@ -275,8 +278,6 @@ def run_recipe(task: str, codec: str, seed: int, args: argparse.Namespace, out: 
     cmd += [
         "--report.metrics_json",
         str(metrics),
-        "--data.data_dir",
-        data_dir,
         # the accuracy of the codec itself: on this benchmark's fast local link the timing probe
         # would otherwise send plain all-reduce and every codec would train uncompressed
         "--trainer.strategy.fallback",
@@ -284,6 +285,8 @@ def run_recipe(task: str, codec: str, seed: int, args: argparse.Namespace, out: 
         "--trainer.enable_progress_bar",
         "false",
     ]
+    if data_dir:
+        cmd += ["--data.data_dir", data_dir]
     if options:
         cmd += ["--trainer.strategy.codec_options", json.dumps(options)]
     cmd += recipe_args

@@ -12,6 +12,17 @@ and ``of mem BW`` is that throughput as a fraction of the device's memory bandwi
 (``--mem-bandwidth-gbs``): a codec that reads and writes the gradient a few times cannot go faster
 than a few times the gradient's size over that bandwidth.
 
+``NAME@LABEL`` measures a second configuration of codec ``NAME``, with its options under
+``NAME@LABEL`` in ``--codec-options``: a grid of settings is a list of labels.
+
+``--fit-steps N`` trains for at least N steps with the codec's hook before the measured ones, each
+step on a new batch (CIFAR-10 images with ``--data cifar10=PATH``, random ones otherwise), so a
+codec that learns from the gradients fits on varied ones and is measured on gradients its fit
+never saw; the codec's own schedule (``warmup_steps``, ``ae_train_steps``, ...) is set in
+``--codec-options``. What such a codec learned is reported beside its cost where it has it: the
+autoencoder's training time, size and held-out error (``lgc``), the mean number of PCA components
+and the variance they explain (``gradiveq``).
+
 ``--device cuda`` runs the model on the GPU with a one-rank NCCL group and times the hook with CUDA
 events on the current stream (:mod:`lightning_gradcomp.timing`), so asynchronous kernels are timed
 when they run, not when they are launched. ``torch-powersgd`` is torch's own ``powerSGD_hook``
@@ -23,14 +34,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
+from lightning_gradcomp.bench import paths
 from lightning_gradcomp.bench.results import Column, format_table, machine_info, write_csv, write_json
 
-__all__ = ["COLUMNS", "add_arguments", "main", "measure_codec"]
+__all__ = ["COLUMNS", "LEARNED_COLUMNS", "add_arguments", "columns_for", "learned_summary", "main", "measure_codec"]
 
 _NEVER = 10**12
 #: torch's own PowerSGD hook, registered directly (not a codec of this package)
@@ -52,17 +65,57 @@ COLUMNS = [
     Column("compression_ratio", "ratio", "{:.1f}"),
     Column("rel_error", "rel err", "{:.3f}"),
 ]
+#: what a codec learned from the gradients, for the codecs that have it (:func:`learned_summary`)
+LEARNED_COLUMNS = [
+    Column("ae_train_s", "AE train s", "{:.1f}"),
+    Column("ae_params", "AE params", "{:.0f}"),
+    Column("ae_recon_error", "AE err", "{:.3f}"),
+    Column("basis_k", "PCA k", "{:.1f}"),
+    Column("explained_variance", "PCA EV", "{:.3f}"),
+]
+
+
+def columns_for(rows: list[dict[str, Any]]) -> list[Column]:
+    """:data:`COLUMNS`, and those of :data:`LEARNED_COLUMNS` that some row has."""
+    return COLUMNS + [c for c in LEARNED_COLUMNS if any(r.get(c.key) is not None for r in rows)]
+
+
+def learned_summary(codec: Any) -> dict[str, float]:
+    """Read from the codec's attributes where it has them (and left out while still NaN, before
+    the codec has learned): an autoencoder's training time, held-out relative error and parameter
+    count; PCA bases' mean number of components and the variance they explain."""
+    import torch
+
+    def number(attr: str) -> float | None:
+        v = getattr(codec, attr, None)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        return float(v) if ok else None
+
+    out = {"ae_train_s": number("ae_train_s"), "ae_recon_error": number("ae_recon_error")}
+    ae = getattr(codec, "ae", None)
+    if isinstance(ae, torch.nn.Module):
+        out["ae_params"] = float(sum(p.numel() for p in ae.parameters()))
+    if number("explained_variance") is not None and number("k") is not None:
+        out["basis_k"] = number("k")
+        # 0 when no fit measured it (bases a leader fits on its own gradient)
+        out["explained_variance"] = number("explained_variance") or None
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--codecs", default=None, help="comma list (default: the link benchmark's default list)")
+    p.add_argument(
+        "--codecs",
+        default=None,
+        help="comma list (default: the link benchmark's default list); NAME@LABEL measures a second configuration "
+        "of NAME, with options given under NAME@LABEL in --codec-options",
+    )
     p.add_argument("--codec-options", default="{}", help='JSON {"codec": {option: value}}')
     p.add_argument(
         "--models",
         "--model",
         dest="models",
         default="resnet18,pspnet",
-        help="comma list of resnet18 (CIFAR shape), resnet50 (ImageNet shape, 224x224, batch 32), pspnet, tiny",
+        help="comma list of resnet18 (CIFAR shape), resnet50 (ImageNet shape, 224x224, batch 32), pspnet, tiny, mlp",
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model and the codecs run")
     p.add_argument(
@@ -78,7 +131,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-warmup", type=int, default=30)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--out", default="bench_results/codecs")
+    p.add_argument(
+        "--fit-steps",
+        type=int,
+        default=0,
+        help="train at least this many steps with the codec before measuring, each on a new batch (real with "
+        "--data, random otherwise), and measure on new batches too: for codecs that learn from the gradients",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="cifar10=PATH",
+        help="real batches for the models they fit (cifar10: resnet18, tiny): cifar10-jpeg.tar.gz, "
+        "a directory holding it, or an unpacked train/<class>/*.jpg tree",
+    )
+    p.add_argument("--out", default=str(paths.results_dir("codecs")), help="output directory (default: %(default)s)")
 
 
 def _init_single_process_group(device: str = "cpu") -> None:
@@ -102,7 +169,8 @@ def measure_codec(name: str, options: dict[str, Any], model_name: str, args: arg
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_gradcomp.api import make_comm_hook
-    from lightning_gradcomp.bench.models import DEFAULT_BATCH, build_model, loss_fn, synthetic_batch
+    from lightning_gradcomp.bench.data import batches
+    from lightning_gradcomp.bench.models import DEFAULT_BATCH, build_model, loss_fn
     from lightning_gradcomp.timing import clock_for
 
     device_name = getattr(args, "device", "cpu")
@@ -120,7 +188,7 @@ def measure_codec(name: str, options: dict[str, Any], model_name: str, args: arg
         stats = None
     else:
         # fallback off: in a one-rank group a plain all-reduce is free and would always win
-        state, hook = make_comm_hook(name, ddp, stats_every=_NEVER, fallback=False, **options)
+        state, hook = make_comm_hook(name.split("@", 1)[0], ddp, stats_every=_NEVER, fallback=False, **options)
         stats = state
     marks: list = []
 
@@ -133,17 +201,25 @@ def measure_codec(name: str, options: dict[str, Any], model_name: str, args: arg
 
     ddp.register_comm_hook(state, timed_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    x, y = synthetic_batch(model_name, args.batch_size or DEFAULT_BATCH[model_name], args.image_size)
-    x, y = x.to(device), y.to(device)
+    fit_steps = getattr(args, "fit_steps", 0)
+    source, data_name = batches(
+        model_name,
+        args.batch_size or DEFAULT_BATCH[model_name],
+        args.image_size,
+        data=getattr(args, "data_paths", None),
+        fresh=fit_steps > 0,
+    )
     raw_grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     # by name: a learned codec's is_compressing() is False until its basis or autoencoder exists
-    will_compress = name != "none"
+    will_compress = name.split("@", 1)[0] != "none"
+    min_warmup, max_warmup = max(args.warmup, fit_steps), max(args.max_warmup, fit_steps)
     measured: list[dict[str, float]] = []
     rel_error = None
     phase, warm = "warmup", 0
-    for step in range(args.max_warmup + args.steps + 1):
+    for step in range(max_warmup + args.steps + 1):
         if stats is not None:
             stats.stats_every = 1 if phase == "probe" else _NEVER
+        x, y = (t.to(device) for t in next(source))
         marks.clear()
         opt.zero_grad(set_to_none=True)
         loss_fn(ddp(x), y).backward()
@@ -162,7 +238,7 @@ def measure_codec(name: str, options: dict[str, Any], model_name: str, args: arg
             break
         if phase == "warmup":
             warm += 1
-            if warm >= args.warmup and (compressed or not will_compress) or warm >= args.max_warmup:
+            if warm >= min_warmup and (compressed or not will_compress) or warm >= max_warmup:
                 phase = "measure"
             continue
         measured.append(
@@ -196,6 +272,7 @@ def measure_codec(name: str, options: dict[str, Any], model_name: str, args: arg
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "codec": name,
         "options": state.codec.config() if stats is not None else torch_options,
+        "batches": data_name,
         "measured_steps": len(measured),
         "warmup_steps": warm,
         "compressed_fraction": sum(m["compressed"] for m in measured) / n,
@@ -208,13 +285,16 @@ def measure_codec(name: str, options: dict[str, Any], model_name: str, args: arg
         "mem_bw_fraction": throughput / 1e3 / bandwidth if throughput is not None and bandwidth else None,
         "compression_ratio": (sum(m["raw_wire"] for m in measured) / n) / wire if wire > 0 else None,
         "rel_error": rel_error,
+        **(learned_summary(state.codec) if stats is not None else {}),
     }
 
 
 def main(args: argparse.Namespace) -> int:
     import torch
 
+    from lightning_gradcomp.bench.data import parse_data
     from lightning_gradcomp.bench.link import default_codecs
+    from lightning_gradcomp.bench.worker import options_for
 
     torch.set_num_threads(1)
     codecs = [c for c in (args.codecs.split(",") if args.codecs else default_codecs()) if c]
@@ -224,12 +304,17 @@ def main(args: argparse.Namespace) -> int:
         print("codecs: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
     options = json.loads(args.codec_options)
+    try:
+        args.data_paths = parse_data(getattr(args, "data", None))
+    except ValueError as err:
+        print(f"codecs: {err}", file=sys.stderr)
+        return 2
     rows = []
     for model_name in [m for m in args.models.split(",") if m]:
         base = None
         for name in codecs:
             print(f"codecs: {model_name} {name} ...", file=sys.stderr, flush=True)
-            row = measure_codec(name, dict(options.get(name, {})), model_name, args)
+            row = measure_codec(name, options_for(name, options), model_name, args)
             if name == "none":
                 base = row["hook_ms"]
             rows.append(row)
@@ -246,6 +331,6 @@ def main(args: argparse.Namespace) -> int:
     }
     write_json(out / "codecs.json", {"meta": meta, "rows": rows})
     write_csv(out / "codecs.csv", rows)
-    print(format_table(rows, COLUMNS))
+    print(format_table(rows, columns_for(rows)))
     print(f"\nwrote {out / 'codecs.json'} and {out / 'codecs.csv'}")
     return 0

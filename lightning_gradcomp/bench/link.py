@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_gradcomp.bench import netns
+from lightning_gradcomp.bench import netns, paths
 from lightning_gradcomp.bench.results import Column, format_table, machine_info, write_csv, write_json
 
 __all__ = ["COLUMNS", "DEFAULT_CODECS", "SEED_CODECS", "add_arguments", "default_codecs", "main", "run_config"]
@@ -105,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="keep the results already in OUT/link.json "
         "(a codec measured again at the same hosts and rate replaces its row)",
     )
-    p.add_argument("--out", default="bench_results/link", help="output directory")
+    p.add_argument("--out", default=str(paths.results_dir("link")), help="output directory (default: %(default)s)")
 
 
 # --------------------------------------------------------------------------------------------------

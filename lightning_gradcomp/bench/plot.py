@@ -29,6 +29,7 @@ from typing import Any
 from lightning_gradcomp.bench import accuracy as accuracy_mod
 from lightning_gradcomp.bench import codecs as codecs_mod
 from lightning_gradcomp.bench import link as link_mod
+from lightning_gradcomp.bench import paths
 from lightning_gradcomp.bench import tta as tta_mod
 from lightning_gradcomp.bench.results import Column, markdown_table, read_json
 
@@ -51,10 +52,19 @@ __all__ = [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--results", default="bench_results", help="directory holding link/, codecs/, accuracy/, tta/")
-    p.add_argument("--figures", default="docs/figures", help="where the PNGs go")
     p.add_argument(
-        "--markdown", default=None, help="write the tables and figures to this file (e.g. docs/benchmarks.md)"
+        "--results",
+        default=str(paths.results_dir()),
+        help="directory holding link/, codecs/, accuracy/, tta/ (default: %(default)s)",
+    )
+    p.add_argument("--figures", default=str(paths.figures_dir()), help="where the PNGs go (default: %(default)s)")
+    p.add_argument(
+        "--markdown",
+        nargs="?",
+        const=True,
+        default=None,
+        help="write the tables and figures into this file's generated block (without a file: the checkout's "
+        "docs/benchmarks.md)",
     )
 
 
@@ -312,7 +322,7 @@ def write_markdown(path: Path, results: Path, figures: list[Path]) -> Path:
             "",
             *_commands(codecs["meta"].get("argv", [])),
             "",
-            markdown_table(codecs["rows"], codecs_mod.COLUMNS),
+            markdown_table(codecs["rows"], codecs_mod.columns_for(codecs["rows"])),
             "",
         ]
     if acc:
@@ -427,7 +437,8 @@ def main(args: argparse.Namespace) -> int:
     for f in figures:
         print(f"wrote {f}")
     if args.markdown:
-        print(f"wrote {write_markdown(Path(args.markdown), results, figures)}")
+        markdown = paths.benchmarks_markdown() if args.markdown is True else Path(args.markdown)
+        print(f"wrote {write_markdown(markdown, results, figures)}")
     if not (link or acc or (results / "codecs" / "codecs.json").exists()):
         print(f"plot: no results under {results}", file=sys.stderr)
         return 1

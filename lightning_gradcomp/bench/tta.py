@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning_gradcomp.bench import paths
 from lightning_gradcomp.bench.accuracy import config_key, recipe_option
 from lightning_gradcomp.bench.results import Column, format_table, read_json, write_csv, write_json
 
@@ -53,8 +54,14 @@ TOLERANCE = 1e-9
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--accuracy", default="bench_results/accuracy/accuracy.json", help="results of `accuracy`")
-    p.add_argument("--link", default="bench_results/link/link.json", help="results of `link`")
+    p.add_argument(
+        "--accuracy",
+        default=str(paths.results_dir("accuracy") / "accuracy.json"),
+        help="results of `accuracy` (default: %(default)s)",
+    )
+    p.add_argument(
+        "--link", default=str(paths.results_dir("link") / "link.json"), help="results of `link` (default: %(default)s)"
+    )
     p.add_argument("--rates", default="100mbit,10mbit", help="comma list of link rates found in the link results")
     p.add_argument("--hosts", type=int, default=2, help="host count of the link rows to use")
     p.add_argument("--task", default="cifar10", help="task of the accuracy rows to use")
@@ -80,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also draw test accuracy against wall-clock time at each rate into this directory "
         "(accuracy_vs_time_RATE.png)",
     )
-    p.add_argument("--out", default="bench_results/tta")
+    p.add_argument("--out", default=str(paths.results_dir("tta")), help="output directory (default: %(default)s)")
 
 
 # --------------------------------------------------------------------------------------------------
