@@ -34,7 +34,7 @@ def _env() -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------------------------------
-def test_loopback_multinode_run(tmp_path, monkeypatch, capsys):
+def test_link_on_loopback_runs_two_ranks_started_like_two_nodes(tmp_path, monkeypatch, capsys):
     """Two ranks started like two nodes (Lightning env vars), each codec fitted in the same run."""
     monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
     monkeypatch.setattr(netns, "available", lambda: (False, "not running as root"))

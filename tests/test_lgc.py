@@ -54,12 +54,12 @@ def _mlp() -> nn.Module:
         (dict(max_recon_error=0), "max_recon_error must be a positive number"),
     ],
 )
-def test_invalid_options_raise(opts, match):
+def test_invalid_options_name_the_option(opts, match):
     with pytest.raises(ValueError, match=match):
         make_codec("lgc", **opts)
 
 
-def test_autoencoder_code_length():
+def test_autoencoder_code_is_a_sixteenth_of_its_input_per_channel():
     ae = GradientAutoencoder(width=8, latent_channels=LATENT)
     for k in (MIN_AE_LEN, 1000, 6554):
         z = ae.encode(torch.randn(2, k))
@@ -68,7 +68,7 @@ def test_autoencoder_code_length():
         assert ae.decode(z, k).shape == (2, k)
 
 
-def test_stage_schedule():
+def test_stages_follow_the_warmup_and_the_trained_autoencoder():
     c = LGCCodec(warmup_steps=10, ae_train_steps=5)
     assert [c.stage(s) for s in (0, 9, 10, 14, 15)] == [1, 1, 2, 2, 2]  # 3 only once trained
     c._ae_state["trained"] = True

@@ -67,7 +67,7 @@ def test_topk_masks_the_momentum_where_it_sent():
     assert r["gap"] > 1e-4  # lossy: not the same trajectory as dense SGD
 
 
-def test_options_are_checked():
+def test_momentum_options_are_checked_and_refused_where_they_cannot_apply():
     with pytest.raises(ValueError, match="momentum must be in"):
         make_codec("topk", momentum=1.0)
     with pytest.raises(ValueError, match="set momentum > 0 too"):

@@ -47,7 +47,8 @@ CASES: dict[str, tuple[str, dict, object]] = {
     "lgc@ps": ("lgc", {**_AE, "variant": "ps", "max_recon_error": math.inf}, lambda c, s: c.stage(s) == 3),
 }
 # how far a wire format reaches: fp16 overflows beyond 65504 (the hook catches that, see
-# test_reliability::test_nonfinite_raw_ddp); everything else must stay finite at 1e30
+# test_reliability::test_nonfinite_gradient_with_plain_ddp_zeroes_the_bucket_on_every_rank);
+# everything else must stay finite at 1e30
 FINITE_LIMIT = {"fp16": 6.0e4}
 WARM_LAYER = 2048
 

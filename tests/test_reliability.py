@@ -149,7 +149,7 @@ def raw_results() -> list[dict]:
     return [from_bytes(b) for b in run_gloo(_raw_suite, 2, timeout=400)]
 
 
-def test_nonfinite_raw_ddp(raw_results) -> None:
+def test_nonfinite_gradient_with_plain_ddp_zeroes_the_bucket_on_every_rank(raw_results) -> None:
     r0, r1 = [r["nonfinite"] for r in raw_results]
     for case in r0:
         for rec in (r0[case], r1[case]):
