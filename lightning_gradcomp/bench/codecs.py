@@ -81,24 +81,24 @@ def columns_for(rows: list[dict[str, Any]]) -> list[Column]:
 
 
 def learned_summary(codec: Any) -> dict[str, float]:
-    """Read from the codec's attributes where it has them (and left out while still NaN, before
-    the codec has learned): an autoencoder's training time, held-out relative error and parameter
-    count; PCA bases' mean number of components and the variance they explain."""
-    import torch
+    """What a learning codec has learned (left out while still NaN, before it has): an
+    autoencoder's training time, held-out relative error and parameter count (``lgc``); PCA bases'
+    mean number of components and the variance they explain (``gradiveq``)."""
+    from lightning_gradcomp.codecs.gradiveq import GradiVeQCodec
+    from lightning_gradcomp.codecs.lgc import LGCCodec
 
-    def number(attr: str) -> float | None:
-        v = getattr(codec, attr, None)
+    def number(v: Any) -> float | None:
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
         return float(v) if ok else None
 
-    out = {"ae_train_s": number("ae_train_s"), "ae_recon_error": number("ae_recon_error")}
-    ae = getattr(codec, "ae", None)
-    if isinstance(ae, torch.nn.Module):
-        out["ae_params"] = float(sum(p.numel() for p in ae.parameters()))
-    if number("explained_variance") is not None and number("k") is not None:
-        out["basis_k"] = number("k")
+    out: dict[str, float | None] = {}
+    if isinstance(codec, LGCCodec):
+        out["ae_train_s"], out["ae_recon_error"] = number(codec.ae_train_s), number(codec.ae_recon_error)
+        out["ae_params"] = float(sum(p.numel() for p in codec.ae.parameters()))
+    if isinstance(codec, GradiVeQCodec) and codec.fitted:
+        out["basis_k"] = number(codec.k)
         # 0 when no fit measured it (bases a leader fits on its own gradient)
-        out["explained_variance"] = number("explained_variance") or None
+        out["explained_variance"] = number(codec.explained_variance) or None
     return {k: v for k, v in out.items() if v is not None}
 
 

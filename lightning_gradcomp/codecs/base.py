@@ -173,6 +173,13 @@ class CodecContext:
     device: torch.device
     group: Any = None
 
+    # a process group cannot be pickled (spawned ranks): it is dropped, as the hook state drops its own
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "group": None}
+
+    def __deepcopy__(self, memo: dict) -> CodecContext:  # a copy of a codec stays in its group
+        return CodecContext(self.rank, self.world_size, self.device, self.group)
+
     def broadcast(self, t: Tensor, src: int) -> Tensor:
         """Broadcast ``t`` in place from group rank ``src``; blocking (hook body or step end only)."""
         return comm.broadcast(t, src, self.group, self.world_size)

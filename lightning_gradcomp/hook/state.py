@@ -10,7 +10,9 @@ from torch import Tensor
 
 from lightning_gradcomp.codecs.base import Codec, LearnedState, RoundContext
 from lightning_gradcomp.fallback import FallbackPolicy
+from lightning_gradcomp.hook import allgather, allreduce, custom, dense
 from lightning_gradcomp.hook.consistency import group_device
+from lightning_gradcomp.hook.encode import encode_layers
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.stats import StatsAccumulator
 
@@ -246,9 +248,6 @@ class CodecHookState:
 
     # ----------------------------------------------------------------------------------------------
     def process_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
-        from lightning_gradcomp.hook import allgather, allreduce, custom, dense
-        from lightning_gradcomp.hook.encode import encode_layers
-
         buf = bucket.buffer()
         fallback = self.fallback
         fallback.use_device(buf.device)
