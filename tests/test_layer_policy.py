@@ -88,9 +88,18 @@ def _dense_layers_exact(rank: int, world: int, codec: str) -> list[dict]:
     return rows
 
 
+def _dense_layers_exact_for_each(rank: int, world: int) -> dict:
+    return {codec: _dense_layers_exact(rank, world, codec) for codec in ("topk", "iwp")}
+
+
+@pytest.fixture(scope="module")
+def dense_layer_runs():
+    return run_gloo(_dense_layers_exact_for_each, world_size=2)[0]
+
+
 @pytest.mark.parametrize("codec", ["topk", "iwp"])
-def test_dense_layers_travel_exactly_on_two_ranks(codec):
-    rows = run_gloo(_dense_layers_exact, world_size=2, args=(codec,))[0]
+def test_dense_layers_travel_exactly_on_two_ranks(dense_layer_runs, codec):
+    rows = dense_layer_runs[codec]
     compressed = [r for r in rows if r["compressing"]]
     assert compressed, "the run never reached a compressed step"
     for r in compressed:

@@ -319,9 +319,18 @@ def _stage3_error_and_residual(rank: int, world: int, ae_error_feedback: bool) -
     return out
 
 
+def _stage3_error_both_ways(rank: int, world: int) -> dict:
+    return {flag: _stage3_error_and_residual(rank, world, flag) for flag in (True, False)}
+
+
+@pytest.fixture(scope="module")
+def stage3_errors():
+    return run_gloo(_stage3_error_both_ways, world_size=2, timeout=300)[0]
+
+
 @pytest.mark.parametrize("ae_error_feedback", [True, False])
-def test_rel_error_includes_the_autoencoder_error(ae_error_feedback):
-    rows = run_gloo(_stage3_error_and_residual, world_size=2, args=(ae_error_feedback,), timeout=300)[0]
+def test_rel_error_includes_the_autoencoder_error(stage3_errors, ae_error_feedback):
+    rows = stage3_errors[ae_error_feedback]
     stage2 = [r for r in rows if r[0] == 2]
     stage3 = [r for r in rows if r[0] == 3]
     assert stage2 and stage3
@@ -417,9 +426,18 @@ def _guarded_stage3(rank: int, world: int, break_ae: bool) -> dict:
     return {"rows": rows}
 
 
+def _guarded_stage3_both_ways(rank: int, world: int) -> dict:
+    return {flag: _guarded_stage3(rank, world, flag) for flag in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def guarded_runs():
+    return run_gloo(_guarded_stage3_both_ways, 2)
+
+
 @pytest.mark.parametrize("break_ae", [False, True])
-def test_run_time_guard_sends_exact_values_when_the_code_fails(break_ae):
-    r0, r1 = run_gloo(_guarded_stage3, 2, args=(break_ae,))
+def test_run_time_guard_sends_exact_values_when_the_code_fails(guarded_runs, break_ae):
+    r0, r1 = guarded_runs[0][break_ae], guarded_runs[1][break_ae]
     stage3 = [i for i, r in enumerate(r0["rows"]) if r["stage"] == 3]
     assert stage3, "the run never reached stage 3"
     sizes = [p.numel() for p in _mlp().parameters() if p.numel() >= 1000]

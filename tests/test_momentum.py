@@ -52,14 +52,25 @@ def _train(rank: int, world: int, codec: str, nesterov: bool, steps: int) -> dic
     return {"gap": gap, "masked": masked}
 
 
-@pytest.mark.parametrize("nesterov", [False, True])
-def test_lossless_codec_with_momentum_correction_is_sgd_with_momentum(nesterov):
-    for r in run_gloo(_train, 2, args=("none", nesterov, 8)):
-        assert r["gap"] < 1e-5, r["gap"]
+def _train_all(rank: int, world: int) -> dict:
+    """Every run of this module in one spawn of two ranks."""
+    runs = {"none-heavy-ball": ("none", False, 8), "none-nesterov": ("none", True, 8), "topk": ("topk", True, 6)}
+    return {name: _train(rank, world, *args) for name, args in runs.items()}
 
 
-def test_topk_masks_the_momentum_where_it_sent():
-    r = run_gloo(_train, 2, args=("topk", True, 6))[0]
+@pytest.fixture(scope="module")
+def momentum_runs():
+    return run_gloo(_train_all, 2)
+
+
+@pytest.mark.parametrize("run", ["none-heavy-ball", "none-nesterov"])
+def test_lossless_codec_with_momentum_correction_is_sgd_with_momentum(momentum_runs, run):
+    for ranks in momentum_runs:
+        assert ranks[run]["gap"] < 1e-5, ranks[run]["gap"]
+
+
+def test_topk_masks_the_momentum_where_it_sent(momentum_runs):
+    r = momentum_runs[0]["topk"]
     assert r["masked"], "no compressed step"
     for sent, on_sent, elsewhere in r["masked"]:
         assert sent >= 205  # ceil(0.05 * 4096) positions sent

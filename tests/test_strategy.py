@@ -5,6 +5,7 @@ import os
 import time
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn as nn
 from dist_utils import run_gloo
@@ -92,25 +93,34 @@ class SlowIdentity(gc.Codec):
         return payload[0]
 
 
-def fallback_worker(rank: int, world: int, enabled: bool):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
-    ddp = DDP(model)
-    state, hook = make_comm_hook(SlowIdentity(), ddp, fallback=enabled)
-    ddp.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    phases = []
-    for _ in range(11):
-        x = torch.randn(16, 64)
-        opt.zero_grad()
-        ddp(x).square().mean().backward()
-        opt.step()
-        phases.append(state.stats.pop().compressed)
-    return phases, sorted(state.fallback.fallback), state.fallback.decisions
+def fallback_worker(rank: int, world: int):
+    """The same run with the fallback on and off, in one spawn of two ranks."""
+    out = {}
+    for enabled in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+        ddp = DDP(model)
+        state, hook = make_comm_hook(SlowIdentity(), ddp, fallback=enabled)
+        ddp.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        phases = []
+        for _ in range(11):
+            x = torch.randn(16, 64)
+            opt.zero_grad()
+            ddp(x).square().mean().backward()
+            opt.step()
+            phases.append(state.stats.pop().compressed)
+        out[enabled] = (phases, sorted(state.fallback.fallback), state.fallback.decisions)
+    return out
 
 
-def test_fallback_sends_plainly_when_the_codec_costs_more():
-    r0, r1 = run_gloo(fallback_worker, 2, (True,))
+@pytest.fixture(scope="module")
+def fallback_runs():
+    return run_gloo(fallback_worker, 2)
+
+
+def test_fallback_sends_plainly_when_the_codec_costs_more(fallback_runs):
+    r0, r1 = fallback_runs[0][True], fallback_runs[1][True]
     phases, fallback, decisions = r0
     assert fallback and fallback == r1[1]  # every rank took the same decision
     assert phases[:2] == [False, False] and all(phases[2:5])  # plain, then 3 probe steps compressed
@@ -119,8 +129,8 @@ def test_fallback_sends_plainly_when_the_codec_costs_more():
     assert all(c > d for c, d in decisions.values())
 
 
-def test_fallback_off_always_compresses():
-    phases, fallback, _ = run_gloo(fallback_worker, 2, (False,))[0]
+def test_fallback_off_always_compresses(fallback_runs):
+    phases, fallback, _ = fallback_runs[0][False]
     assert fallback == [] and all(phases[2:])
 
 
