@@ -69,14 +69,17 @@ class DigitsDataModule(L.LightningDataModule):
 
 
 class DigitsMLP(L.LightningModule):
-    """A two-hidden-layer MLP trained with Adam; top-1 accuracy on the held-out fifth.
+    """A two-hidden-layer MLP trained with SGD (Nesterov momentum 0.9); top-1 accuracy on the
+    held-out fifth. SGD rather than Adam: codecs that send a sparse part of each layer and delay
+    the rest (``lgc``, ``topk``, ``iwp``) train clearly worse beside Adam's per-coordinate step sizes
+    (the strategy warns about it), and the quick start runs ``lgc``.
 
     Args:
         hidden: width of both hidden layers.
-        lr: Adam learning rate.
+        lr: SGD learning rate.
     """
 
-    def __init__(self, hidden: int = 256, lr: float = 5e-3) -> None:
+    def __init__(self, hidden: int = 256, lr: float = 0.1) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = mlp(64, hidden, 10)
@@ -94,7 +97,7 @@ class DigitsMLP(L.LightningModule):
         self.log("val/acc", self.val_acc, prog_bar=True)  # a Metric object: synced across ranks
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9, nesterov=True)
 
 
 def main(args: list[str] | None = None) -> CompressedTrainingCLI:
