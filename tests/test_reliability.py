@@ -269,6 +269,10 @@ def test_stalled_rank_bounded_by_timeout(tmp_path: Path, request) -> None:
 RESUME_EXACT = ["fp16", "topk", "qsgd", "gradiveq", "lgc", "fft", "iwp"]
 RESUME_CODECS = RESUME_EXACT + ["powersgd"]
 STEPS, CUT = 16, 7
+# checkpoints written at step CUT of the same runs by the previous release of the codec contract
+# (commit afb9483, options scraped from the codec's attributes): they must resume unchanged
+PREVIOUS = HERE / "data" / "checkpoints_afb9483"
+PREVIOUS_CODECS = ["topk", "fft", "gradiveq", "lgc", "powersgd"]
 
 
 @pytest.fixture(scope="module")
@@ -282,18 +286,19 @@ def resume_results(tmp_path_factory) -> dict[str, list[list[dict]]]:
         common = {"codec": c, "codec_options": opts, "max_steps": STEPS, "model": {"step_data": True, "momentum": 0.9}}
         runs.append({**common, "ckpt_dir": str(d), "ckpt_every": CUT})
         runs.append({**common, "ckpt_path": str(d / f"step={CUT}.ckpt"), "weights_only": True})
+    previous = [c for c in PREVIOUS_CODECS if c in present]
+    for c in previous:
+        common = {"codec": c, "codec_options": short_options(c), "max_steps": STEPS}
+        runs.append({**common, "model": {"step_data": True, "momentum": 0.9}})
+        runs[-1].update(ckpt_path=str(PREVIOUS / f"{c}.ckpt"), weights_only=True)
     results = _lightning(runs, timeout=600)
-    return {c: (results[2 * i], results[2 * i + 1], dirs[c]) for i, c in enumerate(present)}
+    out = {c: (results[2 * i], results[2 * i + 1], dirs[c]) for i, c in enumerate(present)}
+    out.update({f"previous:{c}": results[2 * len(present) + i] for i, c in enumerate(previous)})
+    return out
 
 
-@pytest.mark.parametrize("codec", RESUME_CODECS)
-def test_resume_matches_uninterrupted(resume_results, codec: str) -> None:
-    if codec not in lightning_gradcomp.available_codecs():
-        pytest.skip(f"codec {codec!r} is not in this build")
-    full, resumed, ckpt_dir = resume_results[codec]
-    ckpt = torch.load(ckpt_dir / f"step={CUT}.ckpt", weights_only=True)  # safe to load
-    saved = ckpt["gradcomp"]
-    assert saved["codec"] == codec and saved["shared"]["step"] == CUT and len(saved["ranks"]) == 2
+def _assert_continues_exactly(full: list[dict], resumed: list[dict], codec: str) -> None:
+    """The resumed run's steps after the cut are the uninterrupted run's, on both ranks."""
     for r in range(2):
         assert full[r]["error"] is None and resumed[r]["error"] is None, (
             full[r].get("message"),
@@ -302,9 +307,6 @@ def test_resume_matches_uninterrupted(resume_results, codec: str) -> None:
         before = {row["global_step"]: row for row in full[r]["rows"]}
         after = {row["global_step"]: row for row in resumed[r]["rows"]}
         assert sorted(after) == list(range(CUT + 1, STEPS + 1))
-        # the residuals this rank saved are the ones it held at the cut
-        mine = {k[len("residual.") :]: v for k, v in saved["ranks"][r].items() if k.startswith("residual.")}
-        assert same(mine, before[CUT]["residuals"])
         for s in after:
             if codec == "powersgd":
                 # torch's PowerSGD state is keyed by bucket index and a new DDP wrapper hands over
@@ -317,6 +319,32 @@ def test_resume_matches_uninterrupted(resume_results, codec: str) -> None:
                 assert same(after[s]["codec_state"], before[s]["codec_state"])
         assert after[STEPS]["hook_step"] == before[STEPS]["hook_step"] == STEPS
     assert torch.equal(resumed[0]["final"], resumed[1]["final"])
+
+
+@pytest.mark.parametrize("codec", RESUME_CODECS)
+def test_resume_matches_uninterrupted(resume_results, codec: str) -> None:
+    if codec not in lightning_gradcomp.available_codecs():
+        pytest.skip(f"codec {codec!r} is not in this build")
+    full, resumed, ckpt_dir = resume_results[codec]
+    ckpt = torch.load(ckpt_dir / f"step={CUT}.ckpt", weights_only=True)  # safe to load
+    saved = ckpt["gradcomp"]
+    assert saved["codec"] == codec and saved["shared"]["step"] == CUT and len(saved["ranks"]) == 2
+    for r in range(2):
+        # the residuals this rank saved are the ones it held at the cut
+        before = {row["global_step"]: row for row in full[r]["rows"]}
+        mine = {k[len("residual.") :]: v for k, v in saved["ranks"][r].items() if k.startswith("residual.")}
+        assert same(mine, before[CUT]["residuals"])
+    _assert_continues_exactly(full, resumed, codec)
+
+
+@pytest.mark.parametrize("codec", PREVIOUS_CODECS)
+def test_checkpoint_of_the_previous_contract_resumes_like_an_uninterrupted_run(resume_results, codec: str) -> None:
+    """Checkpoint keys did not change with the codec contract: a run resumed from a checkpoint that
+    commit afb9483 wrote continues exactly like this version's uninterrupted run."""
+    saved = torch.load(PREVIOUS / f"{codec}.ckpt", weights_only=True)["gradcomp"]
+    assert saved["codec"] == codec and saved["shared"]["step"] == CUT
+    full, _, _ = resume_results[codec]
+    _assert_continues_exactly(full, resume_results[f"previous:{codec}"], codec)
 
 
 # --------------------------------------------------------------------------------------------------
