@@ -443,7 +443,8 @@ class LearnedState:
             raise ValueError(f"codec {self.name!r} keeps no state but was given {sorted(state)}")
 
     def rank_state_dict(self) -> dict[str, Tensor]:
-        """State that differs per rank, beyond the residuals the hook keeps."""
+        """State that differs per rank, beyond the residuals the hook keeps, as CPU copies (a
+        checkpoint and a rollback snapshot keep them while training goes on)."""
         return {}
 
     def load_rank_state_dict(self, state: dict[str, Tensor]) -> None:

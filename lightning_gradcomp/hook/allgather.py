@@ -7,7 +7,6 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.comm import allgather_async, pack, unpack
-from lightning_gradcomp.hook.allreduce import _record
 from lightning_gradcomp.hook.encode import Encoded
 from lightning_gradcomp.timing import Span
 
@@ -19,7 +18,7 @@ def send(state, buf: Tensor, enc: Encoded, flag: Tensor, step: int) -> torch.fut
     msg, layout = pack(enc.payload() + [enc.dense, flag], buf.device)
     fut = allgather_async(msg, state.process_group)
     enc.t1 = enc.clock.mark()
-    _record(state, buf, enc, "allgather", layout.payload_bytes)
+    enc.record(state, buf, "allgather", layout.payload_bytes)
 
     def finish(fut: torch.futures.Future) -> Tensor:
         t2 = enc.clock.mark()

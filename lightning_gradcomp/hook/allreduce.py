@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.comm import allreduce_async, wire_bytes
+from lightning_gradcomp.comm import allreduce_async
 from lightning_gradcomp.hook.encode import Encoded
 from lightning_gradcomp.timing import Span
 
@@ -19,7 +19,7 @@ def send(state, buf: Tensor, enc: Encoded, flag: Tensor, step: int) -> torch.fut
     nbytes = msg.numel() * msg.element_size()
     fut = allreduce_async(msg, state.process_group)
     enc.t1 = enc.clock.mark()
-    _record(state, buf, enc, "allreduce", nbytes)
+    enc.record(state, buf, "allreduce", nbytes)
 
     def finish(fut: torch.futures.Future) -> Tensor:
         t2 = enc.clock.mark()
@@ -44,19 +44,3 @@ def send(state, buf: Tensor, enc: Encoded, flag: Tensor, step: int) -> torch.fut
         return buf
 
     return fut.then(finish)
-
-
-def _record(state, buf: Tensor, enc: Encoded, collective: str, nbytes: int) -> None:
-    """Statistics of a compressed bucket, shared with the all-gather path."""
-    world, raw = state.world_size, buf.numel() * buf.element_size()
-    state.stats.add(
-        buckets=1,
-        compressed=True,
-        raw_bytes=raw,
-        payload_bytes=nbytes + enc.extra_bytes,
-        wire_bytes=wire_bytes(collective, nbytes, world) + wire_bytes("broadcast", enc.extra_bytes, world),
-        raw_wire_bytes=wire_bytes("allreduce", raw, world),
-        encode_s=enc.encode_span(),
-        err_sq=enc.err_sq,
-        ref_sq=enc.ref_sq,
-    )

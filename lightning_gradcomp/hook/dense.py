@@ -22,10 +22,11 @@ def send(state, buf: Tensor, layers: list, flag: Tensor, step: int) -> torch.fut
         for k, g, p in layers:
             g.copy_(velocity(state, k, g.reshape(-1).to(torch.float32), p).view_as(g))
     all_keys = [k for k, _, _ in layers]
-    flushed = [k for k in all_keys if k in memory]
+    flushed = []
     for k, g, _ in layers:
-        if k in flushed:  # a residual left from earlier compressed steps travels now
+        if k in memory:  # a residual left from earlier compressed steps travels now
             g.copy_(memory.compensate(k, g.reshape(-1).float()).view_as(g))
+            flushed.append(k)
     n = buf.numel()
     msg = torch.empty(n + 1, dtype=buf.dtype, device=buf.device)
     torch.div(buf.reshape(-1), world, out=msg[:n])

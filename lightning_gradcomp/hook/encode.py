@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.codecs.base import Codec, EncodeResult, MultiRound
+from lightning_gradcomp.comm import wire_bytes
 from lightning_gradcomp.timing import Span, clock_for
 
 __all__ = ["Encoded", "encode_layers", "velocity", "local_reconstruction"]
@@ -45,8 +46,20 @@ class Encoded:
             g.copy_(total[off : off + g.numel()].view_as(g))
             off += g.numel()
 
-    def encode_span(self) -> Span:
-        return Span(self.clock, self.t0, self.t1)
+    def record(self, state, buf: Tensor, collective: str, nbytes: int) -> None:
+        """The bucket's statistics once its ``nbytes`` payload is launched on ``collective``."""
+        world, raw = state.world_size, buf.numel() * buf.element_size()
+        state.stats.add(
+            buckets=1,
+            compressed=True,
+            raw_bytes=raw,
+            payload_bytes=nbytes + self.extra_bytes,
+            wire_bytes=wire_bytes(collective, nbytes, world) + wire_bytes("broadcast", self.extra_bytes, world),
+            raw_wire_bytes=wire_bytes("allreduce", raw, world),
+            encode_s=Span(self.clock, self.t0, self.t1),
+            err_sq=self.err_sq,
+            ref_sq=self.ref_sq,
+        )
 
 
 def velocity(state, key: str, g: Tensor, param: Tensor) -> Tensor:

@@ -165,15 +165,16 @@ class CodecHookState:
         if state.get("run_total_steps") is not None:
             self.codec.fit_to_run(int(state["run_total_steps"]))
 
-    def rank_state_dict(self) -> dict[str, Tensor]:
-        """This rank's own tensors, flat and named: ``residual.*``, ``momentum.*``, ``codec.*``
-        (a codec's per-rank state) and ``stats.totals``."""
+    def rank_state_dict(self, stats: bool = True) -> dict[str, Tensor]:
+        """This rank's own tensors, flat and named, as CPU copies: ``residual.*``, ``momentum.*``,
+        ``codec.*`` (a codec's per-rank state) and, with ``stats``, ``stats.totals``."""
         codec = self.codec
         local = {f"residual.{k}": v for k, v in self.memory.state_dict().items()}
         local.update({f"momentum.{k}": v for k, v in self.momentum_buffers.state_dict().items()})
         if isinstance(codec, LearnedState):
             local.update({f"codec.{k}": v for k, v in codec.rank_state_dict().items()})
-        local["stats.totals"] = self.stats.totals_tensor()
+        if stats:
+            local["stats.totals"] = self.stats.totals_tensor()
         return local
 
     def load_rank_state_dict(self, state: dict[str, Tensor], device: torch.device) -> None:
@@ -192,7 +193,7 @@ class CodecHookState:
         codec = self.codec
         return {
             "codec": copy.deepcopy(codec.state_dict()) if isinstance(codec, LearnedState) else {},
-            "rank": {k: v.detach().cpu().clone() for k, v in self.rank_state_dict().items() if k != "stats.totals"},
+            "rank": self.rank_state_dict(stats=False),
             "residual_lr": dict(self.residual_lr),
         }
 
