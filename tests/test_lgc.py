@@ -19,6 +19,7 @@ from lightning_gradcomp.registry import make_codec
 WARMUP, AE_STEPS, STAGE3 = 3, 5, 3
 RATIO, INNOV, LATENT = 0.1, 0.01, 4
 OPTS = dict(
+    code="autoencoder",
     warmup_steps=WARMUP,
     ae_train_steps=AE_STEPS,
     ratio=RATIO,
@@ -79,7 +80,9 @@ def test_stages_follow_the_warmup_and_the_trained_autoencoder():
 @pytest.mark.parametrize("variant", ["rar", "ps"])
 def test_state_dict_round_trip_restores_the_autoencoder(variant):
     """Train on synthetic correlated samples, save with torch.save, load with weights_only=True."""
-    c = LGCCodec(variant=variant, ae_epochs=1, ratio=RATIO, innovation_ratio=INNOV, max_recon_error=100.0)
+    c = LGCCodec(
+        code="autoencoder", variant=variant, ae_epochs=1, ratio=RATIO, innovation_ratio=INNOV, max_recon_error=100.0
+    )
     g = torch.Generator().manual_seed(0)
     common = torch.randn(300, generator=g)
     for step in range(6):
@@ -91,7 +94,7 @@ def test_state_dict_round_trip_restores_the_autoencoder(variant):
     torch.save(c.state_dict(), buf)
     buf.seek(0)
     state = torch.load(buf, weights_only=True)
-    d = LGCCodec(variant=variant, ratio=RATIO, innovation_ratio=INNOV, seed=1)
+    d = LGCCodec(code="autoencoder", variant=variant, ratio=RATIO, innovation_ratio=INNOV, seed=1)
     assert d.ae_digest() != c.ae_digest()
     d.load_state_dict(state)
     assert d.ae_digest() == c.ae_digest() and d.ae_trained and d.ae_loss == c.ae_loss
@@ -104,7 +107,7 @@ def test_state_dict_round_trip_restores_the_autoencoder(variant):
 
 def test_poor_code_is_gated_off():
     """A layer whose held-out error exceeds max_recon_error keeps sending exact values."""
-    c = LGCCodec(ae_epochs=1, ratio=RATIO, max_recon_error=1e-6)
+    c = LGCCodec(code="autoencoder", ae_epochs=1, ratio=RATIO, max_recon_error=1e-6)
     g = torch.Generator().manual_seed(0)
     for step in range(4):
         c._samples.append(("w", step, step % 2, 3000, torch.randn(2, 300, generator=g)))
@@ -250,7 +253,7 @@ class Digest(Callback):
             trainer.save_checkpoint(str(Path(self.out_dir, "lgc.ckpt")))
 
 
-def test_lightning_run_logs_stages_and_resume_restores_autoencoder(tmp_path):
+def test_lightning_run_logs_stages_and_resume_restores_the_learned_code(tmp_path):
     from lightning.pytorch import Trainer
 
     from lightning_gradcomp import CompressedDDPStrategy

@@ -120,6 +120,8 @@ def test_the_adding_a_codec_example_in_the_docs_works(user_registry):
 # differences are the run-time and derived values that no longer pass for options.
 _OPTION_CHANGES = {
     ("gradiveq", "num_components"): (4, None),  # None: resolved when used (4, or slice_dim with a variance target)
+    ("lgc", "code"): ("<absent>", "levels"),  # the learned code of stage 3 (the AE is code="autoencoder")
+    ("lgc", "code_bits"): ("<absent>", 2),
     ("iwp", "last_encodings"): ([], "<absent>"),  # introspection of the last bucket, now plain attributes
     ("iwp", "last_index_bytes"): (0, "<absent>"),
     ("iwp", "last_root"): (-1, "<absent>"),

@@ -10,10 +10,20 @@ step on every rank:
    feedback. Every step a leader (rank ``step % N``) picks each layer's top-k positions ``S``
    (``k = ceil(ratio * numel)``) and broadcasts them; every rank sends its values ``v_i = x_i[S]``
    (all-gather), so each rank sums ``sum_i v_i`` and also sees every ``v_i``: the AE's training data.
-3. Afterwards: the AE, trained once at the switch on rank 0 and broadcast (identical weights on every
-   rank, checked by a hash), is frozen and compresses ``v_i``.
+3. Afterwards: a learned code, fitted once at the switch on rank 0 from stage 2's values and
+   broadcast (identical on every rank, checked by a hash), is frozen and compresses ``v_i``.
 
-Two variants of stage 3 (``variant``):
+The learned code (``code``):
+
+``"levels"`` (default)
+    Each rank sends its values as a sign bit and ``code_bits - 1`` bits of magnitude on levels that
+    Lloyd-Max fitted to stage 2's values (:mod:`~lightning_gradcomp.codecs.levels`), plus their
+    RMS, and the messages are all-gathered. Measured on real gradients, this code carries the
+    support's values with a small error at 1/16 of their fp32 bytes, where no autoencoder
+    variant carried them at all (docs/codecs/lgc.md, "What a code can carry"). Error feedback is
+    exact: each rank knows what its message decodes to, and the aggregate is their sum.
+``"autoencoder"``
+    The paper's autoencoder, in one of two variants (``variant``):
 
 ``"rar"`` (ring all-reduce)
     The leader broadcasts ``S`` and a scale ``s`` (the RMS of its own ``v``). Every rank encodes
@@ -45,13 +55,14 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_gradcomp import comm
+from lightning_gradcomp.codecs import levels
 from lightning_gradcomp.codecs.base import (
     Codec,
     CodecContext,
@@ -76,10 +87,32 @@ __all__ = ["LGCCodec", "LGCOptions", "GradientAutoencoder", "MIN_AE_LEN"]
 
 #: layers with fewer kept values than this bypass the AE (four stride-2 convolutions need ~31)
 MIN_AE_LEN = 64
+CODES = ("levels", "autoencoder")
 VARIANTS = ("rar", "ps")
 SELECTIONS = ("sampled", "exact")
 #: the paper's stage lengths (SOFF: 200 dense rounds, 300 collecting), the caps of fractions
 WARMUP_CAP, AE_TRAIN_CAP = 200, 300
+
+
+class _Shared(NamedTuple):
+    """What :meth:`LGCCodec.prepare_bucket` hands to :meth:`LGCCodec.encode` for one layer."""
+
+    support: Tensor  # the leader's positions, sorted
+    scale: Tensor | float  # the AE's input scale (the leader's RMS); 1.0 otherwise
+    leader_latent: Tensor | None  # "ps": the leader's latent
+    coded: bool  # the learned code carries the layer this step
+    own_code: Any  # the leader's own code, computed for the run-time guard (reused by encode)
+
+
+class _LayerContext(NamedTuple):
+    """A layer's decode context."""
+
+    support: Tensor
+    scale: Tensor | float
+    leader_latent: Tensor | None
+    step: int
+    key: str
+    coded: bool
 
 
 class GradientAutoencoder(nn.Module):
@@ -142,6 +175,8 @@ class GradientAutoencoder(nn.Module):
 class LGCOptions(CodecOptions):
     """The options of :class:`LGCCodec` (documented there)."""
 
+    code: str = "levels"
+    code_bits: int = 2
     variant: str = "rar"
     warmup_steps: int | float = 0.05
     ae_train_steps: int | float = 0.1
@@ -159,6 +194,12 @@ class LGCOptions(CodecOptions):
     seed: int = 0
 
     def check(self) -> None:
+        check_choice("code", self.code, CODES)
+        bits = self.code_bits
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+            raise ValueError(
+                f"code_bits must be an integer in [1, 8] (a sign bit and code_bits - 1 of magnitude), got {bits!r}"
+            )
         check_choice("variant", self.variant, VARIANTS)
         self._set("warmup_steps", check_run_steps("warmup_steps", self.warmup_steps))
         self._set("ae_train_steps", check_run_steps("ae_train_steps", self.ae_train_steps))
@@ -194,8 +235,13 @@ class LGCCodec(LearnedState, MultiRound, Codec):
     """Learned Gradient Compression with a shared support (see the module docstring).
 
     Args:
-        variant: ``"rar"`` (latents summed in a ring all-reduce; default) or ``"ps"`` (the leader's
-            latent plus every rank's sparse innovation, decoded on every rank as the server).
+        code: the learned code of stage 3: ``"levels"`` (default; a sign and learned magnitude
+            levels, all-gathered) or ``"autoencoder"`` (the paper's AE, in ``variant``).
+        code_bits: ``"levels"``: bits a value, a sign bit and ``code_bits - 1`` bits of magnitude
+            (default 2: two fitted magnitude levels; 1 sends the sign and the RMS alone).
+        variant: ``"autoencoder"`` only: ``"rar"`` (latents summed in a ring all-reduce; default)
+            or ``"ps"`` (the leader's latent plus every rank's sparse innovation, decoded on every
+            rank as the server).
         warmup_steps: stage 1, dense all-reduce: optimizer steps (an int), or a fraction of the
             run (a float in (0, 1), capped at SOFF's 200 rounds; default 0.05). The strategy
             resolves fractions against Lightning's ``estimated_stepping_batches``, so a run of any
@@ -256,10 +302,11 @@ class LGCCodec(LearnedState, MultiRound, Codec):
         self.ae.requires_grad_(False)
         # identical on every rank: the AE, whether it is trained, its training summary, the samples
         self._ae_state = {"trained": False, "loss": float("nan"), "recon_error": float("nan"), "train_s": float("nan")}
-        self._ae_layers: dict[str, float] = {}  # layers that use the AE in stage 3 -> held-out error
+        self._ae_layers: dict[str, float] = {}  # layers the learned code carries in stage 3 -> held-out error
+        self._levels: dict[str, Tensor] = {}  # "levels": each layer's magnitude levels
         self._samples: list[tuple[str, int, int, int, Tensor]] = []  # key, step, leader, numel, (N, K) values
         self._samples_lock = threading.Lock()
-        self._shared: dict[str, tuple[Tensor, float, Tensor | None]] = {}  # key -> support, scale, leader z
+        self._shared: dict[str, _Shared] = {}  # prepare_bucket -> encode, per layer
         self.last_timing: dict[str, float] = {}
         self._ae_layers_used = (0, 0)  # of the last step: layers the AE carried, layers it may carry
         self._ae_count_step = -1
@@ -318,9 +365,15 @@ class LGCCodec(LearnedState, MultiRound, Codec):
     def is_compressing(self, step: int) -> bool:
         return step >= self.warmup_end
 
+    @property
+    def uses_autoencoder(self) -> bool:
+        return self.options.code == "autoencoder"
+
     def collective_at(self, step: int) -> Collective:
-        # stage 2 gathers every rank's values (the AE's training data); RAR's stage 3 sums latents
-        return "allreduce" if self.options.variant == "rar" and self.stage(step) == 3 else "allgather"
+        # stage 2 gathers every rank's values (the learned code's training data); the AE's RAR
+        # stage 3 sums latents; the levels' codes do not sum and are gathered
+        rar = self.uses_autoencoder and self.options.variant == "rar"
+        return "allreduce" if rar and self.stage(step) == 3 else "allgather"
 
     def setup(self, context: CodecContext) -> None:
         super().setup(context)
@@ -363,24 +416,34 @@ class LGCCodec(LearnedState, MultiRound, Codec):
         encodings = [choose_encoding("auto", k, n) for k, n in zip(sizes, numels)]
         code_bytes = [encoded_nbytes(e, k, n) for e, k, n in zip(encodings, sizes, numels)]
         use_ae = [stage == 3 and k >= MIN_AE_LEN and key in self._ae_layers for (key, _, _), k in zip(layers, sizes)]
-        lat = [self.ae.latent_channels * GradientAutoencoder.latent_len(k) if a else 0 for k, a in zip(sizes, use_ae)]
-        n_scales = sum(use_ae)
-        n_lat = sum(lat) if self.options.variant == "ps" else 0
-        # one byte message: for each layer that may use the AE its scale and its flag (1: the AE
-        # carries it this step, 0: exact values), the leader's latents (all fp32, first, so that
-        # their views stay aligned), then every layer's support as a position code; all sizes
-        # follow from k and n, so no header travels
-        nbytes = sum(code_bytes) + 4 * (2 * n_scales + n_lat)
+        ae, ps = self.uses_autoencoder, self.uses_autoencoder and self.options.variant == "ps"
+        lat = [
+            self.ae.latent_channels * GradientAutoencoder.latent_len(k) if a and ps else 0
+            for k, a in zip(sizes, use_ae)
+        ]
+        n_flags = sum(use_ae)
+        n_scales = n_flags if ae else 0
+        n_lat = sum(lat)
+        # one byte message: for each layer that may use the learned code its scale (the AE's
+        # only) and its flag (1: the code carries it this step, 0: exact values), the leader's
+        # latents (all fp32, first, so that their views stay aligned), then every layer's support
+        # as a position code; all sizes follow from k and n, so no header travels
+        nbytes = sum(code_bytes) + 4 * (n_scales + n_flags + n_lat)
         msg = torch.empty(nbytes, dtype=torch.uint8, device=device)
         supports: list[Tensor | None] = [None] * len(layers)
-        own_codes: list[tuple[Tensor, Tensor] | None] = [None] * len(layers)  # the leader's RAR codes
+        own_codes: list[tuple[Any, Tensor] | None] = [None] * len(layers)  # the leader's codes, reused by encode
         if is_leader:
             parts, scales, flags, zs = [], [], [], []
             for i, ((key, x, _), k, a, e, n) in enumerate(zip(layers, sizes, use_ae, encodings, numels)):
                 idx = self._select(x, k, step)
                 supports[i] = idx
                 parts.append(encode_positions(idx, n, e))
-                if a:
+                if a and not ae:
+                    # the run-time guard: the leader's own values through the code, this step
+                    v = x[idx]
+                    own_codes[i] = levels.encode(v, self._levels[key], self.options.code_bits)
+                    flags.append(self._within_gate(v, own_codes[i][1]))
+                elif a:
                     v = x[idx]
                     s = v.pow(2).mean().sqrt() + 1e-30
                     scales.append(s)
@@ -405,9 +468,10 @@ class LGCCodec(LearnedState, MultiRound, Codec):
         scale_values = msg[: 4 * n_scales].view(torch.float32)
         # the one host read of this bucket in stage 3: which layers travel as codes decides the
         # payload's shape (every rank reads the same flags)
-        flag_values = msg[4 * n_scales : 8 * n_scales].view(torch.float32).tolist() if n_scales else []
-        latents = msg[8 * n_scales : 4 * (2 * n_scales + n_lat)].view(torch.float32)
-        off_b, off_s, off_z = 4 * (2 * n_scales + n_lat), 0, 0
+        flag_bytes = msg[4 * n_scales : 4 * (n_scales + n_flags)]
+        flag_values = flag_bytes.view(torch.float32).tolist() if n_flags else []
+        latents = msg[4 * (n_scales + n_flags) : 4 * (n_scales + n_flags + n_lat)].view(torch.float32)
+        off_b, off_f, off_z = 4 * (n_scales + n_flags + n_lat), 0, 0
         if step != self._ae_count_step:  # counted over the buckets of one step
             self._ae_layers_used, self._ae_count_step = (0, 0), step
         for i, ((key, _, _), k, a, nl, e, b, n) in enumerate(
@@ -419,15 +483,16 @@ class LGCCodec(LearnedState, MultiRound, Codec):
             off_b += b
             s, z, coded = 1.0, None, False
             if a:
-                s = scale_values[off_s : off_s + 1].clone()  # a tensor: no host sync per layer
-                coded = flag_values[off_s] > 0.5
-                off_s += 1
-                if self.options.variant == "ps":
+                if ae:
+                    s = scale_values[off_f : off_f + 1].clone()  # a tensor: no host sync per layer
+                coded = flag_values[off_f] > 0.5
+                off_f += 1
+                if ps:
                     z = latents[off_z : off_z + nl].view(1, self.ae.latent_channels, -1) if coded else None
                     off_z += nl
                 used, eligible = self._ae_layers_used
                 self._ae_layers_used = (used + int(coded), eligible + 1)
-            self._shared[key] = (idx, s, z, coded, own_codes[i])
+            self._shared[key] = _Shared(idx, s, z, coded, own_codes[i])
         self.last_timing["prepare_s"] = time.perf_counter() - t0
         return nbytes
 
@@ -457,9 +522,17 @@ class LGCCodec(LearnedState, MultiRound, Codec):
         v = x[idx]
         local = torch.zeros_like(x)
         k = idx.numel()
-        if not coded:  # stage 2, a layer the AE does not carry, or one the guard sent exactly
+        if not coded:  # stage 2, a layer the code does not carry, or one the guard sent exactly
             local[idx] = v
-            return EncodeResult([v], local=local, ctx=(idx, s, None, step, key, False))
+            return EncodeResult([v], local=local, ctx=_LayerContext(idx, s, None, step, key, False))
+        ctx = _LayerContext(idx, s, z_lead, step, key, True)
+        if not self.uses_autoencoder:
+            # the levels: what this rank's message decodes to is exactly its share of the sum
+            message, rec = (
+                own_code if own_code is not None else levels.encode(v, self._levels[key], self.options.code_bits)
+            )
+            local[idx] = rec
+            return EncodeResult(message, local=local, ctx=ctx)
         with torch.no_grad():
             if self.options.variant == "rar":
                 # what this rank's code stands for: its own values through the AE (the leader
@@ -472,15 +545,15 @@ class LGCCodec(LearnedState, MultiRound, Codec):
                     local = sent  # the residual keeps the AE's error on the support too
                 else:
                     local[idx] = v  # the residual keeps only what is off the support
-                return EncodeResult([z.reshape(-1)], local=local, ctx=(idx, s, None, step, key, True), sent=sent)
+                return EncodeResult([z.reshape(-1)], local=local, ctx=ctx, sent=sent)
             # ps: send the innovation; what the server will reconstruct for this rank is known here
             pos, u = self._innovation(v / s, x.numel())
             local[idx] = s * self.ae.decode(z_lead, k, u.unsqueeze(0))[0]
-            return EncodeResult([v[pos], pos.to(torch.int32)], local=local, ctx=(idx, s, z_lead, step, key, True))
+            return EncodeResult([v[pos], pos.to(torch.int32)], local=local, ctx=ctx)
 
     def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
         # allreduce (RAR stage 3): payload is the sum over ``count`` ranks; return the sum of gradients
-        idx, s, coded = ctx[0], ctx[1], ctx[5]
+        idx, s, coded = ctx.support, ctx.scale, ctx.coded
         out = torch.zeros(numel, dtype=torch.float32, device=payload[0].device)
         if not coded:
             out[idx] = payload[0].float()
@@ -491,10 +564,14 @@ class LGCCodec(LearnedState, MultiRound, Codec):
         return out
 
     def aggregate(self, payloads: Sequence[list[Tensor]], ctx: Any, numel: int) -> Tensor:
-        idx, s, z_lead, step, key, _ = ctx
+        idx, s, z_lead, step, key, coded = ctx
         out = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
         k = idx.numel()
-        if z_lead is None:  # stage 2, or a layer too short for the AE: plain values on the support
+        if coded and not self.uses_autoencoder:  # every rank's levels message, decoded and summed
+            lv, bits = self._levels[key], self.options.code_bits
+            out[idx] = torch.stack([levels.decode(p, lv, bits, k) for p in payloads]).sum(0)
+            return out
+        if not coded:  # stage 2, a layer too short for the code, or one the guard sent exactly
             values = torch.stack([p[0].float() for p in payloads])
             out[idx] = values.sum(0)
             if self.stage(step) == 2 and k >= MIN_AE_LEN and step >= self.ae_start_step - self.options.ae_samples:
@@ -530,19 +607,30 @@ class LGCCodec(LearnedState, MultiRound, Codec):
         # everything handed to a collective lives on the codec's device (NCCL takes no CPU tensor)
         device = self._device()
         stats = torch.zeros(2 + len(keys), dtype=torch.float64, device=device)
+        count = 2 ** (self.options.code_bits - 1)
+        fitted = torch.ones(len(keys), count, dtype=torch.float32, device=device)
         if self.rank == 0:
-            loss, per_layer = self._fit()
+            if self.uses_autoencoder:
+                loss, per_layer = self._fit()
+            else:
+                loss, per_layer = self._fit_levels(keys, fitted)
             errors = [per_layer.get(k, (0.0, 0.0)) for k in keys]
             err, ref = sum(e for e, _ in errors), sum(r for _, r in errors)
             stats[0], stats[1] = loss, (math.sqrt(err / ref) if ref > 0 else float("nan"))
             per_layer_error = [math.sqrt(e / r) if r > 0 else math.inf for e, r in errors]
             stats[2:] = torch.tensor(per_layer_error, dtype=torch.float64).to(device)
         if self.world_size > 1:
-            flat = nn.utils.parameters_to_vector(self.ae.parameters()).detach()
-            self.context.broadcast(flat, 0)
-            nn.utils.vector_to_parameters(flat, self.ae.parameters())
+            if self.uses_autoencoder:
+                flat = nn.utils.parameters_to_vector(self.ae.parameters()).detach()
+                self.context.broadcast(flat, 0)
+                nn.utils.vector_to_parameters(flat, self.ae.parameters())
+            else:
+                self.context.broadcast(fitted, 0)
             self.context.broadcast(stats, 0)
-            self.context.agree(self.ae_digest(), "lgc: autoencoder weights differ between ranks after the broadcast")
+        if not self.uses_autoencoder:
+            self._levels = {k: fitted[i].clone() for i, k in enumerate(keys)}
+        if self.world_size > 1:
+            self.context.agree(self.ae_digest(), "lgc: the learned code differs between ranks after the broadcast")
         self.ae.requires_grad_(False)
         values = stats.tolist()  # once, at the switch (step-end work, not per layer)
         self._ae_layers = {k: float(e) for k, e in zip(keys, values[2:]) if e <= self.options.max_recon_error}
@@ -555,16 +643,52 @@ class LGCCodec(LearnedState, MultiRound, Codec):
             "train_s": time.perf_counter() - t0,
         }
 
-    def _fit(self) -> tuple[float, dict[str, tuple[float, float]]]:
+    def _split_samples(self) -> tuple[list, list]:
+        """Training and held-out samples: the most recent eighth of the steps is held out."""
         with self._samples_lock:
             samples = list(self._samples)
-        if not samples:
-            return float("nan"), {}
         steps = sorted({s[1] for s in samples})
         n_val = len(steps) // 8
         val_steps = set(steps[len(steps) - n_val :]) if n_val else set()
         train = [s for s in samples if s[1] not in val_steps] or samples
         val = [s for s in samples if s[1] in val_steps] or samples
+        return train, val
+
+    def _fit_levels(self, keys: list[str], fitted: Tensor) -> tuple[float, dict[str, tuple[float, float]]]:
+        """Fit each layer's magnitude levels (into the rows of ``fitted``) on the training samples;
+        return the training error and, per layer, the squared error and squared norm of the decoded
+        aggregate on the held-out samples (in units of the leader's RMS, as for the AE)."""
+        train, val = self._split_samples()
+        if not train:
+            return float("nan"), {}
+        count = fitted.shape[1]
+        for i, key in enumerate(keys):
+            values = [smp[4] for smp in train if smp[0] == key]
+            magnitudes = torch.cat([levels.relative_magnitudes(v.float().cpu()) for v in values])
+            fitted[i] = levels.fit_levels(magnitudes, count, seed=self.options.seed + i).to(fitted.device)
+        lv = {k: fitted[i] for i, k in enumerate(keys)}
+        errors = {}
+        for name, part in (("train", train), ("val", val)):
+            out: dict[str, tuple[float, float]] = {}
+            for key, _, lead, _, v in part:
+                v = v.float()
+                scale = v[lead].pow(2).mean().sqrt().clamp_min(1e-30)
+                decoded = torch.stack([levels.dequantize(*levels.quantize(row, lv[key]), lv[key]) for row in v])
+                e, r = out.get(key, (0.0, 0.0))
+                out[key] = (
+                    e + float((decoded.mean(0) - v.mean(0)).div(scale).pow(2).sum()),
+                    r + float(v.mean(0).div(scale).pow(2).sum()),
+                )
+            errors[name] = out
+        tr = errors["train"].values()
+        loss = math.sqrt(sum(e for e, _ in tr) / max(sum(r for _, r in tr), 1e-30))
+        return loss, errors["val"]
+
+    def _fit(self) -> tuple[float, dict[str, tuple[float, float]]]:
+        with self._samples_lock:
+            if not self._samples:
+                return float("nan"), {}
+        train, val = self._split_samples()
         device = next(self.ae.parameters()).device
         ae = self.ae
         ae.requires_grad_(True)
@@ -641,8 +765,9 @@ class LGCCodec(LearnedState, MultiRound, Codec):
         return out
 
     def ae_digest(self) -> int:
-        """A 62-bit digest of the AE's weights (compare it across ranks)."""
-        return comm.digest(*self.ae.state_dict().values())
+        """A 62-bit digest of the learned code: the AE's weights and the levels (compare it across
+        ranks)."""
+        return comm.digest(*self.ae.state_dict().values(), *(self._levels[k] for k in sorted(self._levels)))
 
     @property
     def ae_layers(self) -> dict[str, float]:
@@ -650,7 +775,10 @@ class LGCCodec(LearnedState, MultiRound, Codec):
         return dict(self._ae_layers)
 
     def ae_cost(self) -> dict[str, float]:
-        """Parameter count and bytes of the AE."""
+        """Parameter count and bytes of the learned code (the AE's weights, or the levels)."""
+        if not self.uses_autoencoder:
+            n = sum(v.numel() for v in self._levels.values())
+            return {"ae_params": float(n), "ae_param_bytes": float(4 * n)}
         n = sum(p.numel() for p in self.ae.parameters())
         return {"ae_params": float(n), "ae_param_bytes": float(4 * n)}
 
@@ -669,6 +797,8 @@ class LGCCodec(LearnedState, MultiRound, Codec):
             "ae_recon_error": self.ae_recon_error,
             "ae_train_s": self.ae_train_s,
             "ae_layers": dict(self._ae_layers),
+            "code": self.options.code,
+            "levels": {k: v.detach().cpu().clone() for k, v in self._levels.items()},
             "samples": samples,
         }
 
@@ -685,6 +815,16 @@ class LGCCodec(LearnedState, MultiRound, Codec):
             "train_s": float(state["ae_train_s"]),
         }
         self._ae_layers = {str(k): float(v) for k, v in state["ae_layers"].items()}
+        saved_code = state.get("code", "autoencoder")  # checkpoints before the levels hold an AE only
+        # a code that carries no layer sends what any other would: exact values on the support
+        if self.ae_trained and saved_code != self.options.code and self._ae_layers:
+            raise ValueError(
+                f"this checkpoint's lgc learned code {saved_code!r} at its switch, and this run asks for "
+                f"code={self.options.code!r}: resume with codec_options={{'code': {saved_code!r}}}, "
+                "or restart before the switch"
+            )
+        device = next(self.ae.parameters()).device
+        self._levels = {str(k): v.to(device) for k, v in state.get("levels", {}).items()}
         with self._samples_lock:
             self._samples = [
                 (d["key"], int(d["step"]), int(d["leader"]), int(d["numel"]), d["values"]) for d in state["samples"]

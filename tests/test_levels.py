@@ -1,0 +1,184 @@
+"""lgc's learned code: magnitude levels fitted by Lloyd-Max, on their own and on two gloo ranks."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_gloo
+from torch import nn
+
+from lightning_gradcomp.codecs import levels
+from lightning_gradcomp.codecs.bits import codes_nbytes
+from lightning_gradcomp.codecs.lgc import LGCCodec
+from lightning_gradcomp.codecs.positions import choose_encoding, encoded_nbytes
+
+RATIO = 0.1
+WARMUP, COLLECT, STAGE3 = 3, 8, 3
+
+
+# --------------------------------------------------------------------------------------------------
+# the levels alone
+def test_lloyd_max_finds_the_centres_of_separated_clusters():
+    g = torch.Generator().manual_seed(0)
+    m = torch.cat([1.0 + 0.01 * torch.randn(5000, generator=g), 3.0 + 0.01 * torch.randn(5000, generator=g)])
+    fitted = levels.fit_levels(m, 2)
+    assert fitted.tolist() == pytest.approx([1.0, 3.0], abs=1e-2)
+
+
+def test_fitted_levels_beat_evenly_spaced_ones_on_heavy_tailed_values():
+    """The point of learning them: top-k gradient values are far from uniform in magnitude."""
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(4000, generator=g) * torch.rand(4000, generator=g).pow(3) * 10
+    fitted = levels.fit_levels(levels.relative_magnitudes(v), 2)
+    rms = v.pow(2).mean().sqrt()
+    a = v.abs() / rms
+    even = torch.stack([a.min(), a.max()])
+    err = lambda lv: float((levels.dequantize(*levels.quantize(v, lv), lv) - v).norm() / v.norm())  # noqa: E731
+    assert err(fitted) < 0.7 * err(even)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 8])
+def test_message_round_trip_decodes_to_the_nearest_level_with_the_sign(bits):
+    g = torch.Generator().manual_seed(bits)
+    v = torch.randn(1001, generator=g)
+    lv = levels.fit_levels(levels.relative_magnitudes(v), 2 ** (bits - 1))
+    message, decoded = levels.encode(v, lv, bits)
+    assert sum(t.numel() * t.element_size() for t in message) == levels.message_nbytes(1001, bits)
+    assert message[1].numel() == codes_nbytes(1001, bits)
+    assert torch.equal(levels.decode(message, lv, bits, 1001), decoded)
+    assert torch.equal(decoded.sign(), v.sign())
+    rms = v.pow(2).mean().sqrt()
+    nearest = lv[(v.abs().unsqueeze(1) / rms - lv).abs().argmin(1)] * rms
+    torch.testing.assert_close(decoded.abs(), nearest)
+    if bits == 8:  # 128 levels: close to exact
+        assert float((decoded - v).norm() / v.norm()) < 0.02
+
+
+# --------------------------------------------------------------------------------------------------
+# lgc with the levels: the gate at the switch, the checkpoint
+def _samples(codec: LGCCodec, steps: int, noise: float, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        common = torch.randn(300, generator=g)
+        v = torch.stack([common + noise * torch.randn(300, generator=g) for _ in range(2)]) * 1e-3
+        codec._samples.append(("w", step, step % 2, 3000, v))
+
+
+def test_levels_pass_the_gate_and_round_trip_through_a_checkpoint():
+    c = LGCCodec(ratio=RATIO)
+    _samples(c, 16, 0.3)
+    c.train_autoencoder()
+    assert c.ae_trained and list(c.ae_layers) == ["w"] and c.ae_recon_error < 0.3
+    buf = io.BytesIO()
+    torch.save(c.state_dict(), buf)
+    buf.seek(0)
+    d = LGCCodec(ratio=RATIO)
+    assert d.ae_digest() != c.ae_digest()
+    d.load_state_dict(torch.load(buf, weights_only=True))
+    assert d.ae_digest() == c.ae_digest() and d.ae_layers == c.ae_layers
+    assert torch.equal(d._levels["w"], c._levels["w"])
+
+
+def test_gate_refuses_a_code_above_the_threshold():
+    """A sign alone (1 bit) cannot carry values to within 1 %: every layer stays exact."""
+    c = LGCCodec(ratio=RATIO, code_bits=1, max_recon_error=0.01)
+    _samples(c, 16, 0.3)
+    c.train_autoencoder()
+    assert c.ae_trained and c.ae_layers == {} and c.ae_recon_error > 0.01
+
+
+def test_checkpoint_whose_autoencoder_carried_layers_names_the_code_to_resume_with():
+    """A checkpoint of the version before the levels (no "code" key) whose AE carried a layer."""
+    old = LGCCodec(code="autoencoder", ratio=RATIO, ae_epochs=1, max_recon_error=100.0)
+    _samples(old, 8, 0.3)
+    old.train_autoencoder()
+    state = old.state_dict()
+    del state["code"], state["levels"]
+    with pytest.raises(ValueError, match="resume with codec_options=.'code': 'autoencoder'"):
+        LGCCodec(ratio=RATIO).load_state_dict(state)
+    LGCCodec(code="autoencoder", ratio=RATIO).load_state_dict(state)  # as it asks
+    state["ae_layers"] = {}  # an AE that carried nothing resumes under the levels: exact values either way
+    LGCCodec(ratio=RATIO).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    "opts, match", [(dict(code="pca"), "code must be one of"), (dict(code_bits=0), "code_bits must be an integer")]
+)
+def test_invalid_code_options_name_the_option(opts, match):
+    with pytest.raises(ValueError, match=match):
+        LGCCodec(**opts)
+
+
+# --------------------------------------------------------------------------------------------------
+# two real gloo ranks whose gradients share a component by construction
+def _mlp() -> nn.Module:
+    # weights of 16384, 65536 and 2560 entries: supports of 1639, 6554 and 256 values
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def _train_levels(rank: int, world: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_gradcomp.api import make_comm_hook
+
+    torch.manual_seed(0)
+    model = _mlp()
+    ddp = DDP(model)
+    opts = dict(warmup_steps=WARMUP, ae_train_steps=COLLECT, ratio=RATIO, min_numel=1000, dense_layers="none")
+    state, hook = make_comm_hook("lgc", ddp, stats_every=1, **opts)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    shared = torch.Generator().manual_seed(5)  # the same on both ranks: most of each batch
+    own = torch.Generator().manual_seed(100 + rank)
+    rows = []
+    for step in range(WARMUP + COLLECT + STAGE3):
+        x = torch.randn(32, 64, generator=shared) + 0.3 * torch.randn(32, 64, generator=own)
+        y = torch.randint(0, 10, (32,), generator=shared)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        st = state.stats.pop()
+        residual_sq = sum(float(r.double().pow(2).sum()) for r in state.memory.residuals.values())
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        rank0 = grads.clone()
+        dist.broadcast(rank0, 0)
+        rows.append(
+            {
+                "stage": state.codec.stage(step),
+                "used": state.codec.ae_layers_used,
+                "wire": st.wire_bytes,
+                "err_sq": st.err_sq,
+                "residual_sq": residual_sq,
+                "identical": torch.equal(grads, rank0),
+            }
+        )
+        opt.step()
+    return {"rows": rows, "digest": state.codec.ae_digest(), "layers": state.codec.ae_layers}
+
+
+def _expected_stage3_wire(world: int) -> float:
+    sizes = [p.numel() for p in _mlp().parameters() if p.numel() >= 1000]
+    dense = sum(p.numel() for p in _mlp().parameters() if p.numel() < 1000) + 1  # + the non-finite flag
+    ks = [math.ceil(RATIO * n) for n in sizes]
+    positions = sum(encoded_nbytes(choose_encoding("auto", k, n), k, n) for k, n in zip(ks, sizes))
+    broadcast = positions + 4 * len(ks)  # positions and one guard flag a layer
+    return broadcast + (world - 1) * (sum(levels.message_nbytes(k, 2) for k in ks) + 4 * dense)
+
+
+def test_levels_carry_every_layer_identically_on_two_ranks_with_exact_error_feedback():
+    res = run_gloo(_train_levels, world_size=2, timeout=300)
+    assert res[0]["digest"] == res[1]["digest"] and res[0]["layers"] == res[1]["layers"]
+    assert len(res[0]["layers"]) == 3, res[0]["layers"]  # the learned code engaged on every layer
+    for r in res:
+        rows = r["rows"]
+        assert [row["stage"] for row in rows] == [1] * WARMUP + [2] * COLLECT + [3] * STAGE3
+        for row in rows:
+            assert row["identical"]
+        for row in rows[WARMUP + COLLECT :]:
+            assert row["used"] == (3, 3)
+            assert row["wire"] == pytest.approx(_expected_stage3_wire(2))
+            # what the code did not carry stays in the residual, exactly
+            assert row["err_sq"] == pytest.approx(row["residual_sq"], rel=1e-6)
