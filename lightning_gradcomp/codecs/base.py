@@ -42,6 +42,8 @@ __all__ = [
     "LearnedState",
     "MultiRound",
     "AdjustableCompression",
+    "AdjustableLevel",
+    "geometric_level",
     "DensityWarmup",
     "check_density_warmup",
     "CodecContext",
@@ -480,12 +482,16 @@ class MultiRound:
 class AdjustableCompression(Protocol):
     """A codec whose amount of compression can be lowered while training runs.
 
-    ``compression_level`` is the level in use, in ``[0, 1]`` (0: lossless up to the quantizer); for
-    the FFT codec it is theta, the fraction of frequency coefficients dropped. A schedule (such as
-    :class:`~lightning_gradcomp.callbacks.ThetaDecay`) sets the level with :meth:`set_level`;
-    ``compression_limit`` is an upper bound on it that the codec respects whatever a schedule sets
-    (lowered by :class:`~lightning_gradcomp.callbacks.AccuracyDropRollback`). Both must change only
-    at the same optimizer step on every rank, and both belong in the codec's ``state_dict``.
+    ``compression_level`` is the level in use, in ``[0, 1]``: higher compresses more. For the FFT
+    codec it is theta, the fraction of frequency coefficients dropped (0: lossless up to the
+    quantizer); for the codecs built on :class:`AdjustableLevel` (``topk``, ``iwp``, ``qsgd``,
+    ``powersgd``, ``gradiveq``) 1 is the configured setting and 0 a light one. A schedule or a
+    controller (:class:`~lightning_gradcomp.callbacks.ThetaDecay`,
+    :class:`~lightning_gradcomp.callbacks.AdaptiveCompression`) sets the level with
+    :meth:`set_level`; ``compression_limit`` is an upper bound on it that the codec respects
+    whatever a schedule sets (lowered by :class:`~lightning_gradcomp.callbacks.AccuracyDropRollback`).
+    Both must change only between optimizer steps, at the same step on every rank, and both belong
+    in the codec's ``state_dict``.
     """
 
     @property
@@ -498,6 +504,84 @@ class AdjustableCompression(Protocol):
 
     @compression_limit.setter
     def compression_limit(self, value: float) -> None: ...
+
+
+class AdjustableLevel(LearnedState):
+    """Extension: :class:`AdjustableCompression` for a codec whose knob (a kept fraction, a rank, a
+    number of components or of levels) moves between a light setting and its configured one.
+
+    The level ``L`` in use is ``min(level set, compression_limit)``; 1 (the default) is the codec's
+    configured setting, 0 its light setting. A codec maps ``L`` onto its knob with
+    :func:`geometric_level` (``light^(1-L) * configured^L``: equal steps of ``L`` scale the bytes
+    by equal factors) and recomputes whatever derives from it in :meth:`on_level_change`. The level
+    and the limit are saved in :meth:`state_dict`; a codec with state of its own adds
+    :meth:`level_state` to its ``state_dict`` and loads through :meth:`load_level_state`.
+
+    Message sizes follow the level, so it must change between optimizer steps, at the same step on
+    every rank: a callback sets it from values every rank holds (the global step, the averaged
+    gradient), never inside the communication hook.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._level = 1.0  # the level a schedule set last
+        self._limit = 1.0
+
+    @property
+    def compression_level(self) -> float:
+        """The level in use: ``min(level set, compression_limit)``."""
+        return min(self._level, self._limit)
+
+    def set_level(self, level: float) -> None:
+        """Set the level (1: the configured setting, 0: the light one)."""
+        before = self.compression_level
+        self._level = check_fraction("level", level, low_open=False)
+        if self.compression_level != before:
+            self.on_level_change()
+
+    @property
+    def compression_limit(self) -> float:
+        """Upper bound on the level, whatever a schedule sets; lowered by accuracy-drop rollbacks."""
+        return self._limit
+
+    @compression_limit.setter
+    def compression_limit(self, value: float) -> None:
+        before = self.compression_level
+        self._limit = check_fraction("compression_limit", value, low_open=False)
+        if self.compression_level != before:
+            self.on_level_change()
+
+    def on_level_change(self) -> None:
+        """The level in use changed (between two optimizer steps): recompute the knob."""
+
+    def level_state(self) -> dict[str, float]:
+        return {"level": self._level, "compression_limit": self._limit}
+
+    def load_level_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Apply the level entries of ``state`` (absent from checkpoints written before the codec
+        was adjustable: the level stays) and return the other entries."""
+        rest = dict(state)
+        limit = rest.pop("compression_limit", None)
+        level = rest.pop("level", None)
+        if limit is not None:
+            self.compression_limit = limit
+        if level is not None:
+            self.set_level(level)
+        return rest
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.level_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        rest = self.load_level_state(state)
+        if rest:
+            raise ValueError(f"codec {self.name!r} does not know the state entries {sorted(rest)}")
+
+
+def geometric_level(light: float, configured: float, level: float) -> float:
+    """The knob at ``level``: ``light^(1-level) * configured^level`` (``light`` at 0, ``configured``
+    at 1), so that each step of the level multiplies the knob by the same factor."""
+    return light ** (1.0 - level) * configured**level
 
 
 def option_names(cls: type[Codec]) -> list[str]:

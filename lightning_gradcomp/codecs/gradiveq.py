@@ -59,6 +59,13 @@ Where the basis comes from (``basis_source``):
     residual lies in the orthogonal complement of ``span(U)`` and would only be sent by the next
     uncompressed window. This schedule dropped about 83 % of the gradient energy for good on
     ResNet-18 and trained clearly worse than plain all-reduce (docs/codecs/gradiveq.md).
+
+The number of components is adjustable (:class:`~lightning_gradcomp.codecs.base.AdjustableLevel`):
+at level ``L`` it is ``round(min(d, 4k)^(1-L) * k^L)`` for the configured ``k``, so level 1 keeps
+``k`` and level 0 up to four times as many. With the ``"leader"`` source the bases of the next step
+are fitted with the new count (a refit is forced when it changed); with ``"aggregate"`` the count
+applies from the next fit, the bases in between keep theirs (every rank holds the same bases, so
+the message sizes agree either way).
 """
 
 from __future__ import annotations
@@ -73,17 +80,18 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.codecs.base import (
+    AdjustableLevel,
     Codec,
     CodecContext,
     CodecOptions,
     EncodeResult,
-    LearnedState,
     MultiRound,
     RoundContext,
     check_choice,
     check_fraction,
     check_positive_int,
     check_run_steps,
+    geometric_level,
     run_steps,
 )
 from lightning_gradcomp.codecs.sampling import seeded_generator
@@ -98,6 +106,7 @@ BASIS_SOURCES = ("leader", "aggregate")
 _SHARED = "__shared__"
 _EXACT_BITS = 24  # fp32 holds every integer below 2**24 exactly
 WARMUP_CAP = 100  # a warm-up given as a fraction of the run is at most this many steps
+LIGHT_COMPONENTS_FACTOR = 4  # components at compression level 0, as a multiple of the configured k
 
 
 def fit_pca(x: Tensor, k: int | None, explained_variance: float | None, center: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -224,7 +233,7 @@ class GradiVeQOptions(CodecOptions):
 
 
 @register_codec("gradiveq")
-class GradiVeQCodec(LearnedState, MultiRound, Codec):
+class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
     """GradiVeQ: project slices of each layer's gradient onto a shared PCA basis, all-reduce the codes.
 
     Args:
@@ -306,13 +315,21 @@ class GradiVeQCodec(LearnedState, MultiRound, Codec):
             self._field_bits()  # raises early when the world is too large for the levels
 
     @property
-    def num_components(self) -> int:
+    def configured_components(self) -> int:
         """k, the option ``num_components`` resolved: by default ``slice_dim`` with
         ``variance_target`` (an upper bound), else ``min(4, slice_dim)``."""
         o = self.options
         if o.num_components is not None:
             return int(o.num_components)
         return o.slice_dim if o.variance_target is not None else min(4, o.slice_dim)
+
+    @property
+    def num_components(self) -> int:
+        """k at the compression level ``L`` in use: ``round(min(d, 4k)^(1-L) k^L)`` for the
+        configured k (:attr:`configured_components`, which level 1 keeps)."""
+        k = self.configured_components
+        light = min(self.options.slice_dim, LIGHT_COMPONENTS_FACTOR * k)
+        return round(geometric_level(light, k, self.compression_level))
 
     # ----------------------------------------------------------------------------------------------
     # schedule
@@ -491,7 +508,8 @@ class GradiVeQCodec(LearnedState, MultiRound, Codec):
         d, kk = self.options.slice_dim, min(self.num_components, self.options.slice_dim)
         fitting = [(key, x) for key, x, _ in layers if x.numel() >= d]
         due = (step - self.harness.start_step) % self.options.refit_every == 0
-        due = due or any(key not in self._u32 for key, _ in fitting)
+        # a layer without a basis, or whose basis has another count than the level asks for
+        due = due or any(key not in self._u32 or self._u32[key].shape[1] != kk for key, _ in fitting)
         if not fitting or not due:
             return 0
         world = self.world_size
@@ -510,7 +528,7 @@ class GradiVeQCodec(LearnedState, MultiRound, Codec):
             _, vecs = torch.linalg.eigh(grams)
             for i, (key, _) in enumerate(fitting):
                 previous = self._u32.get(key)
-                if previous is None:
+                if previous is None or previous.shape[1] != kk:  # none yet, or a count the level changed
                     previous = torch.eye(d, kk, dtype=torch.float32, device=device)
                 msg[i] = torch.where(finite[i], _directions(vecs[i], kk), previous)
         if world > 1:
@@ -632,6 +650,7 @@ class GradiVeQCodec(LearnedState, MultiRound, Codec):
     # checkpointing: identical on every rank
     def state_dict(self) -> dict[str, Any]:
         return {
+            **self.level_state(),
             "bases": {k: v.detach().cpu().clone() for k, v in self._bases.items()},
             "means": {k: v.detach().cpu().clone() for k, v in self._means.items()},
             "explained_variance": {k: v.detach().cpu().clone() for k, v in self._ev.items()},
@@ -641,6 +660,7 @@ class GradiVeQCodec(LearnedState, MultiRound, Codec):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = self.load_level_state(state)
         if not state:
             return
         slice_dim = self.options.slice_dim

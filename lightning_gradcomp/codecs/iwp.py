@@ -18,6 +18,10 @@ depend on ``k`` and ``n`` only, so every rank knows the broadcast's size without
 
 The broadcast is a blocking collective in :meth:`IWPCodec.prepare_bucket` (the hook body), never in
 a ``.then`` callback. It runs in the default process group.
+
+The kept fraction is adjustable (:class:`~lightning_gradcomp.codecs.base.AdjustableLevel`): at level
+``L`` it is ``light^(1-L) * keep_fraction^L`` with ``light = max(density_warmup_start,
+keep_fraction)``, as for ``topk``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.codecs.base import (
+    AdjustableLevel,
     Codec,
     CodecContext,
     CodecOptions,
@@ -40,6 +45,7 @@ from lightning_gradcomp.codecs.base import (
     check_choice,
     check_density_warmup,
     check_fraction,
+    geometric_level,
 )
 from lightning_gradcomp.codecs.positions import (
     ENCODINGS,
@@ -148,7 +154,7 @@ class IWPOptions(CodecOptions):
 
 
 @register_codec("iwp")
-class IWPCodec(MultiRound, Codec):
+class IWPCodec(AdjustableLevel, MultiRound, Codec):
     """Importance-weighted pruning with a shared, broadcast index set.
 
     Args:
@@ -171,7 +177,8 @@ class IWPCodec(MultiRound, Codec):
             this fraction of the run (a float in (0, 1)) the kept fraction shrinks exponentially
             from ``density_warmup_start`` to ``keep_fraction`` (see :class:`DensityWarmup`).
             Default 0: off.
-        density_warmup_start: the kept fraction the warm-up starts from (default 0.25, DGC's).
+        density_warmup_start: the kept fraction the warm-up starts from (default 0.25, DGC's),
+            and the one kept at compression level 0.
         **kwargs: the common codec options (``error_feedback`` on by default, ``min_numel``,
             ``start_step``).
     """
@@ -190,9 +197,15 @@ class IWPCodec(MultiRound, Codec):
         self.last_encodings: list[str] = []
         self.last_index_bytes = 0
 
+    @property
+    def kept_fraction(self) -> float:
+        """The fraction kept at the level in use, after any warm-up: ``light^(1-L) * keep_fraction^L``."""
+        o = self.options
+        return geometric_level(max(o.density_warmup_start, o.keep_fraction), o.keep_fraction, self.compression_level)
+
     def k_for(self, numel: int, step: int | None = None) -> int:
         """Entries kept of a selection group of ``numel`` at ``step`` (``None``: after any warm-up)."""
-        return DensityWarmup.of(self.options).kept(numel, self.options.keep_fraction, step, self)
+        return DensityWarmup.of(self.options).kept(numel, self.kept_fraction, step, self)
 
     def _groups(self, layers: list[tuple[str, Tensor, Tensor]]) -> list[list[tuple[str, Tensor, Tensor]]]:
         return [layers] if self.options.scope == "bucket" else [[layer] for layer in layers]

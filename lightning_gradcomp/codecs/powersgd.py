@@ -15,6 +15,14 @@ backward. With NCCL the chain is returned as is.
 
 The non-finite flag needs its own tiny all-reduce here (one extra round trip per bucket), because
 torch's hook would otherwise fold a NaN into its error-feedback memory before anyone could know.
+
+The rank is adjustable (:class:`~lightning_gradcomp.codecs.base.AdjustableLevel`): at level ``L``
+it is ``round((4 r)^(1-L) * r^L)`` for the configured rank ``r``, so level 1 is ``r`` and level 0
+``4 r`` (Accordion switched PowerSGD between ranks 1 and 2 or 1 and 4). torch sizes P and Q by the
+rank and reuses them between steps (warm start), so a new rank drops them on every rank alike; the
+next step draws fresh Q from the state's seeded generator, which all ranks advance together, as
+torch does on its first compressed step. The error-feedback memory does not depend on the rank and
+is kept.
 """
 
 from __future__ import annotations
@@ -28,18 +36,22 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
 from lightning_gradcomp.codecs.base import (
+    AdjustableLevel,
     Codec,
     CodecContext,
     CodecOptions,
     HarnessOptions,
-    LearnedState,
     MultiRound,
     RoundContext,
     check_positive_int,
+    geometric_level,
 )
 from lightning_gradcomp.comm import completed_future, wire_bytes
 from lightning_gradcomp.registry import register_codec
 from lightning_gradcomp.timing import Span, clock_for
+
+#: the rank at compression level 0, as a multiple of the configured one
+LIGHT_RANK_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -61,11 +73,12 @@ class PowerSGDOptions(CodecOptions):
 
 
 @register_codec("powersgd")
-class PowerSGDCodec(LearnedState, MultiRound, Codec):
+class PowerSGDCodec(AdjustableLevel, MultiRound, Codec):
     """PowerSGD through ``torch``'s hook.
 
     Args:
-        rank: ``matrix_approximation_rank`` (default 4, as in our benchmarks' reference run).
+        rank: ``matrix_approximation_rank`` (default 4, as in our benchmarks' reference run) at
+            compression level 1; ``4 * rank`` at level 0.
         min_compression_rate: torch's per-tensor threshold (default 2, torch's).
         warm_start: reuse P and Q from the previous step (torch's default, True).
         use_error_feedback: torch's error feedback (default True).
@@ -103,7 +116,7 @@ class PowerSGDCodec(LearnedState, MultiRound, Codec):
         o = self.options
         self._torch_state = torch_powersgd.PowerSGDState(
             process_group=context.group,
-            matrix_approximation_rank=o.rank,
+            matrix_approximation_rank=self.rank_in_use,
             start_powerSGD_iter=2,
             min_compression_rate=o.min_compression_rate,
             use_error_feedback=o.use_error_feedback,
@@ -123,13 +136,29 @@ class PowerSGDCodec(LearnedState, MultiRound, Codec):
         d["_torch_state"] = None  # rebuilt in setup(); holds a process group
         return d
 
+    @property
+    def rank_in_use(self) -> int:
+        """``matrix_approximation_rank`` at the compression level in use: ``round((4r)^(1-L) r^L)``."""
+        r = self.options.rank
+        return round(geometric_level(LIGHT_RANK_FACTOR * r, r, self.compression_level))
+
+    def on_level_change(self) -> None:
+        s = self._torch_state
+        if s is None or s.matrix_approximation_rank == self.rank_in_use:
+            return
+        s.matrix_approximation_rank = self.rank_in_use
+        # P and Q were sized for the old rank: torch reallocates them, and draws Q afresh from its
+        # seeded generator, for a bucket it holds none of (identically on every rank)
+        s.p_memory_dict.clear()
+        s.q_memory_dict.clear()
+
     def payload_elements(self, bucket: Any) -> int:
         """Elements PowerSGD sends for ``bucket``, by torch's own per-tensor rule."""
         total = 0
         for t in bucket.gradients():
             rows = t.shape[0] if t.dim() > 1 else 1
             cols = t.numel() // max(rows, 1)
-            r = min(rows, cols, self.options.rank)
+            r = min(rows, cols, self.rank_in_use)
             if t.dim() > 1:
                 ok, _, compressed = torch_powersgd._should_compress(rows, cols, r, self.options.min_compression_rate)
             else:
@@ -183,13 +212,16 @@ class PowerSGDCodec(LearnedState, MultiRound, Codec):
     def state_dict(self) -> dict[str, Any]:
         s = self._torch_state
         if s is None:
-            return {}
+            return self.level_state()
         return {
+            **self.level_state(),
             "iter": int(s.iter),
             "q": {int(k): v.detach().cpu().clone() for k, v in s.q_memory_dict.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # the level first: a new rank clears P and Q, which the saved Q (of that rank) then refills
+        state = self.load_level_state(state)
         if not state:
             return
         if self._torch_state is None:

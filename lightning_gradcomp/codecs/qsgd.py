@@ -10,6 +10,11 @@ Collective: all-gather. Every rank scales by its own norms, so payloads cannot b
 decoding; a QSGD inside a ring all-reduce would have to re-quantize at every hop, which changes
 the method. Random draws come from a generator seeded by (seed, rank, step, layer), so a resumed
 run draws the same numbers as an uninterrupted one.
+
+The number of levels is adjustable (:class:`~lightning_gradcomp.codecs.base.AdjustableLevel`): at
+level ``L`` it is ``round(127^(1-L) * levels^L)``, so level 1 is the configured ``levels`` and level
+0 is 127 levels, the most 8-bit codes hold. The bytes follow the bit width: 4 bits up to 7 levels,
+8 bits above.
 """
 
 from __future__ import annotations
@@ -21,10 +26,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.codecs.base import Codec, CodecOptions, EncodeResult, check_positive_int
+from lightning_gradcomp.codecs.base import (
+    AdjustableLevel,
+    Codec,
+    CodecOptions,
+    EncodeResult,
+    check_positive_int,
+    geometric_level,
+)
 from lightning_gradcomp.codecs.bits import pack_bits, unpack_bits
 from lightning_gradcomp.codecs.sampling import seeded_generator
 from lightning_gradcomp.registry import register_codec
+
+#: levels at compression level 0: the most that 8-bit signed codes hold
+LIGHT_LEVELS = 127
 
 
 @dataclass(frozen=True)
@@ -42,7 +57,7 @@ class QSGDOptions(CodecOptions):
 
 
 @register_codec("qsgd")
-class QSGDCodec(Codec):
+class QSGDCodec(AdjustableLevel, Codec):
     """QSGD.
 
     Args:
@@ -55,9 +70,15 @@ class QSGDCodec(Codec):
     Options = QSGDOptions
 
     @property
+    def levels(self) -> int:
+        """s in use: ``round(127^(1-L) * levels^L)`` at compression level ``L`` (the option at 1)."""
+        configured = self.options.levels
+        return round(geometric_level(max(LIGHT_LEVELS, configured), configured, self.compression_level))
+
+    @property
     def bits(self) -> int:
         """Bits of one signed level on the wire: 4 for ``levels <= 7``, else 8."""
-        return 4 if math.ceil(math.log2(2 * self.options.levels + 1)) <= 4 else 8
+        return 4 if math.ceil(math.log2(2 * self.levels + 1)) <= 4 else 8
 
     def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
         n, c = x.numel(), self.options.chunk_size
@@ -67,12 +88,12 @@ class QSGDCodec(Codec):
         # entries beyond ~1e19 and the norm would come back inf (and the decode NaN)
         amax = xc.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
         norms = (xc / amax).norm(dim=1) * amax.squeeze(1)
-        scaled = xc.abs() / norms.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1) * self.options.levels
+        scaled = xc.abs() / norms.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1) * self.levels
         gen = seeded_generator(self.options.seed, self.rank, step, key, x.device)
         lower = scaled.floor()
         level = lower + (torch.rand(scaled.shape, generator=gen, device=x.device) < (scaled - lower)).float()
         signed = (torch.sign(xc) * level).reshape(-1)[:n].to(torch.int32)
-        codes = pack_bits(signed + self.options.levels, self.bits)
+        codes = pack_bits(signed + self.levels, self.bits)
         enc = EncodeResult([norms, codes], ctx=None)
         enc.local = self._dequantize(norms, signed, n)
         return enc
@@ -81,9 +102,9 @@ class QSGDCodec(Codec):
         c = self.options.chunk_size
         pad = (-n) % c
         s = torch.cat([signed, signed.new_zeros(pad)]) if pad else signed
-        return (s.view(-1, c).float() * (norms.unsqueeze(1) / self.options.levels)).reshape(-1)[:n]
+        return (s.view(-1, c).float() * (norms.unsqueeze(1) / self.levels)).reshape(-1)[:n]
 
     def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
         norms, codes = payload
-        signed = unpack_bits(codes, self.bits, numel) - self.options.levels
+        signed = unpack_bits(codes, self.bits, numel) - self.levels
         return self._dequantize(norms.float(), signed, numel)

@@ -7,6 +7,10 @@ keeps the rest in its residual.
 Collective: all-gather. Each rank keeps different positions, so payloads cannot be summed by an
 all-reduce; every rank gathers every rank's k pairs and scatter-adds them. A rank then receives
 ``(N - 1) * k`` pairs, so traffic grows with the number of ranks.
+
+The kept fraction is adjustable (:class:`~lightning_gradcomp.codecs.base.AdjustableLevel`): at level
+``L`` it is ``light^(1-L) * ratio^L`` with ``light = max(density_warmup_start, ratio)``, so level 1
+keeps ``ratio`` and level 0 the density DGC's warm-up starts from (25 % by default).
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.codecs.base import (
+    AdjustableLevel,
     Codec,
     CodecOptions,
     DensityWarmup,
     EncodeResult,
     check_density_warmup,
     check_fraction,
+    geometric_level,
 )
 from lightning_gradcomp.codecs.sampling import seeded_generator, select_top
 from lightning_gradcomp.registry import register_codec
@@ -45,7 +51,7 @@ class TopKOptions(CodecOptions):
 
 
 @register_codec("topk")
-class TopKCodec(Codec):
+class TopKCodec(AdjustableLevel, Codec):
     """Top-k sparsification.
 
     Args:
@@ -56,7 +62,8 @@ class TopKCodec(Codec):
         density_warmup: DGC's warm-up of sparsity: over this many compressed steps (an int) or
             this fraction of the run (a float in (0, 1)) the kept fraction shrinks exponentially
             from ``density_warmup_start`` to ``ratio`` (see :class:`DensityWarmup`). Default 0: off.
-        density_warmup_start: the kept fraction the warm-up starts from (default 0.25, DGC's).
+        density_warmup_start: the kept fraction the warm-up starts from (default 0.25, DGC's),
+            and the one kept at compression level 0.
         **kwargs: the common codec options; error feedback is on by default.
     """
 
@@ -65,9 +72,15 @@ class TopKCodec(Codec):
     harness_defaults = {"error_feedback": True}
     sparse_local = True  # momentum factor masking applies
 
+    @property
+    def kept_fraction(self) -> float:
+        """The fraction kept at the level in use, after any warm-up: ``light^(1-L) * ratio^L``."""
+        o = self.options
+        return geometric_level(max(o.density_warmup_start, o.ratio), o.ratio, self.compression_level)
+
     def k_for(self, numel: int, step: int | None = None) -> int:
         """Entries kept of a layer of ``numel`` at ``step`` (``None``: after any warm-up)."""
-        return DensityWarmup.of(self.options).kept(numel, self.options.ratio, step, self)
+        return DensityWarmup.of(self.options).kept(numel, self.kept_fraction, step, self)
 
     def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
         k = self.k_for(x.numel(), step)
