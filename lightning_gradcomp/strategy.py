@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from datetime import timedelta
 from typing import Any, Callable
@@ -71,14 +72,21 @@ class CompressedDDPStrategy(DDPStrategy):
             by all ranks, logged as ``gradcomp/fallback_buckets``; see
             :mod:`lightning_gradcomp.fallback`). ``False`` always compresses; ``None`` (default)
             is on unless ``LIGHTNING_GRADCOMP_FALLBACK=0``.
+        adaptive_level: set the codec's compression level from the gradient's norm
+            (:class:`~lightning_gradcomp.callbacks.AdaptiveCompression`, Accordion's rule): ``False``
+            or ``None`` (default): off; ``True``: on with the callback's defaults; a dict: the
+            callback's arguments (``{"eta": 0.5, "interval": 50}``). The codec must be adjustable
+            (``topk``, ``iwp``, ``qsgd``, ``powersgd``, ``gradiveq``, ``fft``). An
+            ``AdaptiveCompression`` among the trainer's callbacks is kept as given instead.
         **kwargs: everything else :class:`~lightning.pytorch.strategies.DDPStrategy` takes
             (``process_group_backend``, ``timeout``, ``start_method``, ...) and the options of
             :class:`torch.nn.parallel.DistributedDataParallel` (``find_unused_parameters``,
             ``static_graph``, ``bucket_cap_mb``, ...).
 
     Raises:
-        ValueError: for an unknown codec name, an invalid codec option, or DDP hook arguments
-            (this strategy owns the hook), before any process starts.
+        ValueError: for an unknown codec name, an invalid codec option, DDP hook arguments
+            (this strategy owns the hook), or an ``adaptive_level`` the codec cannot follow or whose
+            arguments are invalid, before any process starts.
 
     Example::
 
@@ -98,6 +106,7 @@ class CompressedDDPStrategy(DDPStrategy):
         stats_every: int = 10,
         nonfinite: str = "skip",
         fallback: bool | None = None,
+        adaptive_level: bool | dict[str, Any] | None = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
@@ -117,6 +126,8 @@ class CompressedDDPStrategy(DDPStrategy):
         self.stats_every = stats_every
         self.nonfinite = nonfinite
         self.fallback = fallback
+        self.adaptive_level = adaptive_level
+        self._adaptive_callback = _adaptive_callback(adaptive_level, self.codec)
         super().__init__(
             process_group_backend=process_group_backend,
             timeout=timeout,
@@ -127,6 +138,19 @@ class CompressedDDPStrategy(DDPStrategy):
         self._pending_checkpoint: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------------------------------
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        # the level controller that adaptive_level asks for is attached here, the first moment the
+        # strategy sees the trainer: before the callbacks' setup hooks, and before Lightning restores
+        # the callbacks' state from a checkpoint (a resumed run goes on at the level it recorded);
+        # a user's instance is kept as given
+        trainer = getattr(model, "_trainer", None)
+        callback = self._adaptive_callback
+        if trainer is not None and callback is not None:
+            if not any(isinstance(cb, type(callback)) for cb in trainer.callbacks):
+                trainer.callbacks.append(callback)
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
@@ -359,6 +383,33 @@ class CompressedDDPStrategy(DDPStrategy):
             strategy_registry.register(
                 f"compressed_ddp_{name}", cls, description=f"DDP with the {name!r} gradient codec", codec=name
             )
+
+
+def _adaptive_callback(adaptive_level: bool | dict[str, Any] | None, codec: Codec) -> Any:
+    """The ``AdaptiveCompression`` that ``adaptive_level`` asks for (``None``: off), built and
+    checked against the codec now, before any process starts."""
+    if adaptive_level is None or adaptive_level is False:
+        return None
+    if adaptive_level is True:
+        arguments: dict[str, Any] = {}
+    elif isinstance(adaptive_level, dict):
+        arguments = dict(adaptive_level)
+    else:
+        raise ValueError(
+            f"adaptive_level must be False, None, True or a dict of AdaptiveCompression's arguments, "
+            f"got {adaptive_level!r}"
+        )
+    from lightning_gradcomp.callbacks.adaptive import AdaptiveCompression, check_adjustable
+
+    check_adjustable(codec, "adaptive_level (AdaptiveCompression)")
+    known = list(inspect.signature(AdaptiveCompression).parameters)
+    unknown = sorted(set(arguments) - set(known))
+    if unknown:
+        raise ValueError(
+            f"adaptive_level: AdaptiveCompression has no argument {', '.join(map(repr, unknown))}. "
+            f"Its arguments: {', '.join(known)}"
+        )
+    return AdaptiveCompression(**arguments)
 
 
 def _learning_rates(optimizer: Any, param_names: dict[int, str]) -> dict[str, float]:

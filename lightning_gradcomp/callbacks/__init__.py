@@ -13,6 +13,7 @@ _LAZY = {
     "AccuracyDropRollback": "lightning_gradcomp.callbacks.rollback",
     "AutoencoderWarmup": "lightning_gradcomp.callbacks.ae_warmup",
     "CompressionReport": "lightning_gradcomp.callbacks.report",
+    "AdaptiveCompression": "lightning_gradcomp.callbacks.adaptive",
 }
 
 #: codec name -> the callback that logs its schedule; ``CompressedDDPStrategy`` attaches it

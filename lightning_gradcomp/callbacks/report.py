@@ -13,6 +13,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
+from lightning_gradcomp.callbacks.adaptive import AdaptiveCompression
+
 __all__ = ["CompressionReport"]
 
 
@@ -25,12 +27,14 @@ class CompressionReport(Callback):
     numbers, the final ``val/*`` metrics, the run's seed and the history of ``monitor`` to a file
     (the input of ``python -m lightning_gradcomp.bench accuracy``).
 
-    Three things make the numbers comparable between runs:
+    Four things make the numbers comparable between runs:
 
     - **a validation at the last step.** When the step budget ends between two validations
       (``val_check_interval`` does not divide it), the report asks Lightning to validate once more
       at the last step (through ``trainer.should_stop``, as early stopping does), so the final
       metric belongs to the final weights;
+    - **the steps at each compression level**, when an
+      :class:`~lightning_gradcomp.callbacks.AdaptiveCompression` sets it (``level_steps``);
     - **the history of** ``monitor``: its value at the global step of every validation, saved in
       checkpoints so that a resumed run keeps the earlier points (the curve behind time to
       accuracy);
@@ -162,6 +166,10 @@ class CompressionReport(Callback):
             "model": hparams.get("model"),
             "batch_size": hparams.get("batch_size"),
         }
+        adaptive = _adaptive(trainer)
+        if adaptive is not None:
+            # optimizer steps run at each compression level, as AdaptiveCompression set it
+            result["level_steps"] = {f"{level:g}": n for level, n in sorted(adaptive.steps_at_level.items())}
         if self.monitor is not None:
             result["monitor"] = self.monitor
             result["history"] = list(self.history)
@@ -185,9 +193,16 @@ class CompressionReport(Callback):
                 f"fallback: {result['fallback_buckets']} gradient bucket(s) went back to plain all-reduce, which the "
                 "first steps timed faster on this link (strategy option fallback: false always compresses)"
             )
+        if result.get("level_steps"):
+            counts = ", ".join(f"{n} at {level}" for level, n in result["level_steps"].items())
+            lines.append(f"adaptive compression level (steps at each level, 1 = the codec's setting): {counts}")
         if trainer.logger is not None and trainer.logger.log_dir:
             lines.append(f"TensorBoard: tensorboard --logdir {trainer.logger.log_dir}")
         return "\n".join(lines)
+
+
+def _adaptive(trainer: pl.Trainer) -> AdaptiveCompression | None:
+    return next((cb for cb in trainer.callbacks if isinstance(cb, AdaptiveCompression)), None)
 
 
 def _module_hparams(module: Any) -> dict[str, Any]:

@@ -1,0 +1,388 @@
+"""AdaptiveCompression (Accordion's rule) and the codecs whose compression level it sets.
+
+The codecs: each level keeps through a state_dict and changes what is sent. The rule: a scripted
+sequence of gradient norms and learning rates gives the levels Accordion's criterion gives. Real
+runs: two gloo ranks take the same level at the same step, a resumed run goes on at the level its
+checkpoint recorded, and PowerSGD changes its rank mid-run with every rank staying identical.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn as nn
+from codec_driver import round_trip
+from dist_utils import run_gloo
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lightning_gradcomp import CompressedDDPStrategy, make_codec, make_comm_hook
+from lightning_gradcomp.callbacks import AdaptiveCompression, CompressionReport, ThetaDecay
+from lightning_gradcomp.callbacks.adaptive import adjustable_codecs
+from lightning_gradcomp.codecs.base import AdjustableCompression, CodecContext
+
+ADJUSTABLE = ["topk", "iwp", "qsgd", "powersgd", "gradiveq"]
+
+
+class _Bucket:
+    """What ``PowerSGDCodec.payload_elements`` reads of a DDP bucket."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self._tensors = list(tensors)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._tensors
+
+
+def _payload_bytes(codec, x: torch.Tensor, step: int = 5) -> int:
+    """Bytes one rank puts on the wire for the 256 x 256 layer ``x`` at the codec's level in use."""
+    if codec.name == "powersgd":  # torch's hook: the elements of P and Q by torch's own rule
+        return 4 * codec.payload_elements(_Bucket(x.view(256, 256)))
+    enc, _ = round_trip(codec, x.reshape(-1).clone(), "w", x.view(256, 256), step)
+    return sum(t.numel() * t.element_size() for t in enc.payload)
+
+
+def _fresh(name: str):
+    codec = make_codec(name)
+    if name != "powersgd":
+        codec.setup(CodecContext(0, 1, torch.device("cpu")))
+    return codec
+
+
+@pytest.mark.parametrize("name", ADJUSTABLE)
+def test_a_lower_level_sends_more_and_the_level_keeps_through_state_dict(name):
+    x = torch.randn(256 * 256, generator=torch.Generator().manual_seed(0))
+    codec = _fresh(name)
+    assert isinstance(codec, AdjustableCompression) and codec.compression_level == 1.0
+    configured = _payload_bytes(codec, x)
+    assert configured == _payload_bytes(_fresh(name), x)  # level 1 is the configured setting
+    sizes = {}
+    for level in (1.0, 0.5, 0.0):
+        codec.set_level(level)
+        sizes[level] = _payload_bytes(codec, x)
+    assert sizes[1.0] == configured
+    assert sizes[1.0] < sizes[0.0] and sizes[1.0] <= sizes[0.5] <= sizes[0.0], sizes
+    codec.set_level(0.3)
+    codec.compression_limit = 0.2  # a rollback's cap: the codec applies min(level, limit)
+    assert codec.compression_level == pytest.approx(0.2)
+    state = codec.state_dict()
+    again = _fresh(name)
+    again.load_state_dict(state)
+    assert (again.compression_level, again.compression_limit) == (codec.compression_level, 0.2)
+    assert _payload_bytes(again, x) == _payload_bytes(codec, x) > configured
+
+
+def test_the_adjustable_codecs_are_named():
+    assert set(ADJUSTABLE) | {"fft"} <= set(adjustable_codecs())
+    assert not {"none", "fp16", "terngrad", "rangefloat"} & set(adjustable_codecs())
+
+
+# --------------------------------------------------------------------------------------------------
+# refusals, before any process starts
+def _fake_trainer(codec, callbacks=()):
+    return SimpleNamespace(strategy=SimpleNamespace(codec=codec), callbacks=list(callbacks))
+
+
+def test_a_codec_without_a_level_is_refused_with_the_names_of_those_that_have_one():
+    with pytest.raises(ValueError, match=r"AdjustableCompression: .*'topk'.*the strategy's codec is 'none'"):
+        CompressedDDPStrategy(codec="none", adaptive_level=True)
+    with pytest.raises(ValueError, match=r"'powersgd'.*the strategy's codec is 'terngrad'"):
+        AdaptiveCompression().setup(_fake_trainer(make_codec("terngrad")), None, "fit")
+    CompressedDDPStrategy(codec="none", adaptive_level=False)  # off: any codec
+    CompressedDDPStrategy(codec="none", adaptive_level=None)
+
+
+@pytest.mark.parametrize(
+    "adaptive_level, match",
+    [
+        ({"etaa": 0.5}, "no argument 'etaa'.*eta, interval"),
+        ({"eta": 0}, "eta must be"),
+        ({"interval": 0}, "interval must be"),
+        ({"low_level": 0.8, "high_level": 0.5}, "low_level"),
+        ({"lr_drop": 2}, "lr_drop"),
+        ("yes", "adaptive_level must be"),
+    ],
+)
+def test_invalid_adaptive_level_is_refused_by_the_strategy(adaptive_level, match):
+    with pytest.raises(ValueError, match=match):
+        CompressedDDPStrategy(codec="topk", adaptive_level=adaptive_level)
+
+
+def test_the_strategy_builds_the_callback_it_will_attach():
+    strategy = CompressedDDPStrategy(codec="topk", adaptive_level={"eta": 0.3, "interval": 20})
+    cb = strategy._adaptive_callback
+    assert isinstance(cb, AdaptiveCompression) and (cb.eta, cb.interval) == (0.3, 20)
+    assert CompressedDDPStrategy(codec="topk", adaptive_level=True)._adaptive_callback.interval == 50
+    assert CompressedDDPStrategy(codec="topk")._adaptive_callback is None  # off by default
+
+
+def test_theta_decay_beside_it_is_refused():
+    trainer = _fake_trainer(make_codec("fft"), [ThetaDecay()])
+    with pytest.raises(ValueError, match="both set the codec's compression level"):
+        AdaptiveCompression().setup(trainer, None, "fit")
+
+
+# --------------------------------------------------------------------------------------------------
+# the rule, driven step by step with chosen gradients and learning rates (one process)
+class _Module:
+    def __init__(self) -> None:
+        self.p = nn.Parameter(torch.zeros(3))
+        self.logged: dict[str, float] = {}
+
+    def named_parameters(self):
+        return [("p", self.p)]
+
+    def log(self, name, value, **kwargs):
+        self.logged[name] = value
+
+
+def test_the_rule_goes_light_on_a_fast_change_of_the_norm_and_after_a_learning_rate_drop():
+    codec = make_codec("topk", ratio=0.01)
+    optimizer = SimpleNamespace(param_groups=[{"lr": 0.1}])
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(codec=codec, root_device=torch.device("cpu")),
+        callbacks=[],
+        optimizers=[optimizer],
+        global_step=0,
+        estimated_stepping_batches=100,
+    )
+    module = _Module()
+    cb = AdaptiveCompression(eta=0.5, interval=2, warmup=6, low_level=0.0)
+    cb.setup(trainer, module, "fit")
+    cb.on_fit_start(trainer, module)
+    # the mean gradient's norm per window of 2 steps: 1, 1, 1, 1, 1.2, 3, 3, 3, 3, 3
+    norms = [1, 1, 1, 1, 1, 1, 1, 1, 1.2, 1.2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3]
+    drop_at = 15  # the learning rate falls tenfold at this step
+    levels = []
+    for step, norm in enumerate(norms):
+        trainer.global_step = step
+        optimizer.param_groups[0]["lr"] = 0.1 if step < drop_at else 0.01
+        cb.on_train_batch_start(trainer, module, None, step)
+        levels.append(codec.compression_level)
+        module.p.grad = torch.tensor([float(norm), 0.0, 0.0])
+        cb.on_before_optimizer_step(trainer, module, optimizer)
+    # steps 0-5: the warm-up (and nothing to compare with before step 2); 6-11: heavy (windows
+    # 1 -> 1, then 1 -> 1.2: 20 % < eta); 12-13: light (1.2 -> 3: 150 %); 14-15: heavy (3 -> 3);
+    # the drop at step 15 makes the next full window, 16-17, light; then heavy again
+    assert levels == [0.0] * 6 + [1.0] * 6 + [0.0] * 2 + [1.0] * 2 + [0.0] * 2 + [1.0] * 2, levels
+    assert cb.steps_at_level == {0.0: 10, 1.0: 10}
+    assert [d["step"] for d in cb.decisions] == [2, 4, 6, 8, 10, 12, 14, 16, 18, 20]
+    assert cb.decisions[4]["change"] == pytest.approx(0.2) and cb.decisions[5]["change"] == pytest.approx(1.5)
+    assert module.logged["gradcomp/level"] == 1.0
+    # a second callback given the first one's state goes on exactly where it stopped
+    twin = AdaptiveCompression(eta=0.5, interval=2, warmup=6)
+    twin.load_state_dict(cb.state_dict())
+    assert twin.state_dict()["decisions"] == cb.state_dict()["decisions"]
+    assert (twin.level, twin.steps_at_level, twin._previous_norm) == (cb.level, cb.steps_at_level, cb._previous_norm)
+
+
+# --------------------------------------------------------------------------------------------------
+# two gloo ranks under Lightning: one level per step for both, and a resume that goes on at the
+# level its checkpoint recorded
+ADAPTIVE = {"eta": 1e6, "interval": 2, "warmup": 0}  # only the first windows and the rate's drop go light
+LR_DROP_STEP = 8  # StepLR: the rate of step 8 is a tenth of step 7's
+
+
+class Recorder(pl.Callback):
+    """Each rank writes, per optimizer step, the level in use, the entries topk keeps of the
+    compressed layer and the bytes the hook sent, and a digest of the weights at the end."""
+
+    def __init__(self, out_dir: str, label: str) -> None:
+        self.out_dir, self.label, self.steps = out_dir, label, {}
+
+    def _bytes_of_previous_step(self, trainer) -> None:
+        last = trainer.strategy.hook_state.stats.last
+        if last is not None and str(trainer.global_step - 1) in self.steps:
+            self.steps[str(trainer.global_step - 1)]["bytes"] = last.wire_bytes
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._bytes_of_previous_step(trainer)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        codec = trainer.strategy.codec
+        self.steps[str(trainer.global_step)] = {"level": codec.compression_level, "kept": codec.k_for(2048)}
+
+    def on_train_end(self, trainer, pl_module):
+        self._bytes_of_previous_step(trainer)
+        digest = hashlib.sha256()
+        for t in pl_module.state_dict().values():
+            digest.update(t.detach().cpu().numpy().tobytes())
+        facts = {"steps": self.steps, "weights": digest.hexdigest(), "step": trainer.global_step}
+        with open(os.path.join(self.out_dir, f"{self.label}.rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(facts, f)
+
+
+class StepDecayModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))  # 2048 weights compressed
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        decay = torch.optim.lr_scheduler.StepLR(optimizer, step_size=LR_DROP_STEP, gamma=0.1)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(512, 32, generator=g)
+        y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+
+
+def _fit(tmp_path, label: str, ckpt_path: str | None = None) -> None:
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=CompressedDDPStrategy(
+            codec="topk", codec_options={"ratio": 0.01}, adaptive_level=ADAPTIVE, start_method="spawn"
+        ),
+        max_steps=16,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[
+            Recorder(str(tmp_path), label),
+            CompressionReport(metrics_json=str(tmp_path / f"{label}.report.json"), validate_last_step=False),
+            pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=6, save_top_k=-1),
+        ],
+    )
+    trainer.fit(StepDecayModule(), ckpt_path=ckpt_path)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("adaptive")
+    _fit(tmp_path, "full")
+    (ckpt,) = glob.glob(str(tmp_path / "ckpt" / "*step=6*.ckpt"))
+    saved = torch.load(ckpt, weights_only=True)
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    _fit(resumed_dir, "resumed", ckpt_path=ckpt)
+    read = lambda d, label, r: json.loads((d / f"{label}.rank{r}.json").read_text())  # noqa: E731
+    return {
+        "full": [read(tmp_path, "full", r) for r in range(2)],
+        "resumed": [read(resumed_dir, "resumed", r) for r in range(2)],
+        "report": json.loads((tmp_path / "full.report.json").read_text()),
+        "checkpoint": saved,
+    }
+
+
+def test_both_ranks_take_the_same_level_at_the_same_step(runs):
+    rank0, rank1 = runs["full"]
+    assert rank0["steps"] == rank1["steps"] and rank0["weights"] == rank1["weights"]
+    levels = [rank0["steps"][str(s)]["level"] for s in range(16)]
+    # light: the first two windows (nothing to compare before), and from the step after the
+    # drop at step 8 for one full window; heavy elsewhere (eta is out of reach)
+    assert levels == [0.0] * 4 + [1.0] * 5 + [0.0] * 3 + [1.0] * 4, levels
+    kept = {rank0["steps"][str(s)]["kept"] for s in range(16)}
+    assert kept == {21, 512}  # 1 % and 25 % of 2048
+    light = {rank0["steps"][str(s)]["bytes"] for s in (2, 3, 9, 10, 11)}
+    heavy = {rank0["steps"][str(s)]["bytes"] for s in (4, 5, 6, 7, 12, 13)}
+    assert len(light) == 1 and len(heavy) == 1 and min(light) > max(heavy)  # the level changed what was sent
+    assert runs["report"]["level_steps"] == {"0": 7, "1": 9}
+
+
+def test_a_resumed_run_goes_on_at_the_level_its_checkpoint_recorded(runs):
+    (state,) = [v for k, v in runs["checkpoint"]["callbacks"].items() if k.startswith("AdaptiveCompression")]
+    assert state["level"] == 1.0  # step 6 is heavy, while a fresh run starts light
+    assert runs["checkpoint"]["gradcomp"]["shared"]["codec"]["level"] == 1.0
+    full = runs["full"][0]["steps"]
+    for r in range(2):
+        resumed = runs["resumed"][r]
+        assert sorted(resumed["steps"], key=int) == [str(s) for s in range(6, 16)]
+        for s in range(6, 16):
+            assert resumed["steps"][str(s)]["level"] == full[str(s)]["level"], s
+    assert runs["resumed"][0]["weights"] == runs["resumed"][1]["weights"]
+
+
+# --------------------------------------------------------------------------------------------------
+# PowerSGD's rank changed between steps under plain DDP: P and Q reallocated alike on every rank
+RANK_SCHEDULE = {0: 1.0, 4: 0.0, 7: 0.5, 10: 1.0}  # step -> level set before it
+
+
+def _powersgd_steps(rank: int, world: int) -> list[dict]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
+    ddp = DDP(model)
+    state, hook = make_comm_hook("powersgd", ddp, fallback=False)
+    ddp.register_comm_hook(state, hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    codec = state.codec
+    records = []
+    for step in range(13):
+        if step in RANK_SCHEDULE:
+            codec.set_level(RANK_SCHEDULE[step])
+        g = torch.Generator().manual_seed(100 * step + rank)  # each rank its own data
+        x = torch.randn(16, 128, generator=g)
+        optimizer.zero_grad()
+        ddp(x).pow(2).mean().backward()
+        optimizer.step()
+        torch_state = codec._torch_state
+        records.append(
+            {
+                "rank": torch_state.matrix_approximation_rank,
+                "q_sizes": sorted(v.numel() for v in torch_state.q_memory_dict.values()),
+                "weights": [p.detach().clone() for p in model.parameters()],
+            }
+        )
+    return records
+
+
+def test_powersgd_changes_its_rank_between_steps_and_the_ranks_stay_identical():
+    r0, r1 = run_gloo(_powersgd_steps)
+    assert [s["rank"] for s in r0] == [4] * 4 + [16] * 3 + [8] * 3 + [4] * 3
+    for step, (a, b) in enumerate(zip(r0, r1)):
+        assert a["rank"] == b["rank"] and a["q_sizes"] == b["q_sizes"], step
+        for wa, wb in zip(a["weights"], b["weights"]):
+            assert torch.isfinite(wa).all() and torch.equal(wa, wb), step
+    # from step 2 on torch's hook compresses both 128 x 128 weights: Q holds 2 * 128 * rank values
+    for step in range(2, 13):
+        assert r0[step]["q_sizes"] == [2 * 128 * r0[step]["rank"]], step
+
+
+# --------------------------------------------------------------------------------------------------
+# the strategy option from YAML, through LightningCLI
+def _load_recipe(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_adaptive_level_from_yaml_through_the_cli(tmp_path, capsys):
+    recipe = _load_recipe("digits_quickstart")
+    config = tmp_path / "adaptive.yaml"
+    lines = [
+        "trainer:",
+        "  strategy:",
+        "    init_args:",
+        "      codec: topk",
+        "      adaptive_level: {eta: 0.3, interval: 20}",
+    ]
+    config.write_text("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        recipe.main(["--config", str(config), "--print_config"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "codec: topk" in printed and "eta: 0.3" in printed and "interval: 20" in printed
+    with pytest.raises(SystemExit) as exit_info:  # the codec cannot follow a level: a usage error
+        recipe.main(["--trainer.strategy.codec", "none", "--trainer.strategy.adaptive_level", "true"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "AdjustableCompression" in err and "'topk'" in err
