@@ -182,3 +182,15 @@ def test_levels_carry_every_layer_identically_on_two_ranks_with_exact_error_feed
             assert row["wire"] == pytest.approx(_expected_stage3_wire(2))
             # what the code did not carry stays in the residual, exactly
             assert row["err_sq"] == pytest.approx(row["residual_sq"], rel=1e-6)
+
+
+def test_compression_level_moves_the_support_between_ten_times_denser_and_the_ratio():
+    c = LGCCodec(ratio=0.01)
+    assert c.k_for(10_000) == 100
+    c.set_level(0.0)
+    assert c.k_for(10_000) == 1000
+    c.set_level(0.5)
+    assert c.k_for(10_000) == math.ceil(10_000 * math.sqrt(0.1 * 0.01))
+    d = LGCCodec(ratio=0.01)
+    d.load_state_dict(c.state_dict())
+    assert d.compression_level == 0.5 and d.k_for(10_000) == c.k_for(10_000)

@@ -107,19 +107,36 @@ class AutoencoderWarmup(Callback):
                 f"{codec.ae_start_step}, after this run's {steps} steps"
             )
         used, eligible = codec.ae_layers_used
-        if eligible:
+        carried, support, code_bytes = codec.values_used
+        name = (
+            f"{codec.options.code_bits}-bit levels"
+            if codec.options.code == "levels"
+            else f"autoencoder ({codec.options.variant})"
+        )
+        if used:
             how = (
-                f"it carried {used} of the {eligible} layer(s) that passed the gate at the last step "
-                "(the run-time guard sends the others exactly)"
+                f"the {name} carried {used} of {eligible} layer(s) at the last step, {carried:,} of the "
+                f"{support:,} support values ({100 * carried / max(support, 1):.0f} %), in {code_bytes:,} bytes "
+                f"instead of {4 * carried:,} (x{4 * carried / max(code_bytes, 1):.1f} on top of the support); "
+                f"held-out error "
+                f"{codec.ae_recon_error:.2f} at the switch"
+            )
+            if used < eligible:
+                how += "; the run-time guard sent the other layers' values exactly"
+        elif eligible:
+            how = (
+                f"the run-time guard sent all {eligible} layer(s) that passed the gate exactly at the last step "
+                f"(the {name} reconstructed the leader's values with an error above max_recon_error "
+                f"{codec.options.max_recon_error})"
             )
         elif math.isfinite(codec.ae_recon_error):
             how = (
-                f"no layer passed the gate (held-out reconstruction error {codec.ae_recon_error:.2f} > "
+                f"no layer passed the gate (held-out error of the {name} {codec.ae_recon_error:.2f} > "
                 f"max_recon_error {codec.options.max_recon_error}), so the exact values of the shared support were sent"
             )
         else:
             how = (
-                "no layer passed the gate (too few stage-2 samples to measure the autoencoder's error), so the "
+                f"no layer passed the gate (too few stage-2 samples to measure the {name}'s error), so the "
                 "exact values of the shared support were sent"
             )
         return f"lgc: learned code from step {codec.ae_start_step}: {how}"

@@ -64,19 +64,20 @@ from torch import Tensor, nn
 from lightning_gradcomp import comm
 from lightning_gradcomp.codecs import levels
 from lightning_gradcomp.codecs.base import (
+    AdjustableLevel,
     Codec,
     CodecContext,
     CodecOptions,
     Collective,
     EncodeResult,
     HarnessOptions,
-    LearnedState,
     MultiRound,
     RoundContext,
     check_choice,
     check_fraction,
     check_positive_int,
     check_run_steps,
+    geometric_level,
     run_steps,
 )
 from lightning_gradcomp.codecs.positions import choose_encoding, decode_positions, encode_positions, encoded_nbytes
@@ -231,7 +232,7 @@ class LGCOptions(CodecOptions):
 
 
 @register_codec("lgc")
-class LGCCodec(LearnedState, MultiRound, Codec):
+class LGCCodec(AdjustableLevel, MultiRound, Codec):
     """Learned Gradient Compression with a shared support (see the module docstring).
 
     Args:
@@ -309,6 +310,7 @@ class LGCCodec(LearnedState, MultiRound, Codec):
         self._shared: dict[str, _Shared] = {}  # prepare_bucket -> encode, per layer
         self.last_timing: dict[str, float] = {}
         self._ae_layers_used = (0, 0)  # of the last step: layers the AE carried, layers it may carry
+        self._values_used = (0, 0, 0)  # of the last step: values the code carried, support values, their code's bytes
         self._ae_count_step = -1
 
     def check_harness(self, harness: HarnessOptions) -> None:
@@ -336,6 +338,13 @@ class LGCCodec(LearnedState, MultiRound, Codec):
         """Of the last step: how many layers the AE carried, and how many it may carry (those that
         passed the gate at the switch); the run-time guard sent the others' values exactly."""
         return self._ae_layers_used
+
+    @property
+    def values_used(self) -> tuple[int, int, int]:
+        """Of the last step, on this rank: how many support values the learned code carried, how
+        many values the supports of the compressed layers held, and the bytes this rank sent for
+        the carried values (4 a value would have been sent exactly)."""
+        return self._values_used
 
     @property
     def ae_train_s(self) -> float:
@@ -383,9 +392,16 @@ class LGCCodec(LearnedState, MultiRound, Codec):
         """The device of the AE (the codec context's once set up)."""
         return next(self.ae.parameters()).device
 
+    @property
+    def kept_fraction(self) -> float:
+        """The support's fraction at the compression level in use: ``ratio`` at level 1, ten
+        times denser (at most 0.25) at level 0, geometric in between (``AdjustableLevel``)."""
+        ratio = self.options.ratio
+        return geometric_level(min(max(10 * ratio, ratio), 0.25), ratio, self.compression_level)
+
     def k_for(self, numel: int) -> int:
-        """Size of a layer's shared support: ``ceil(ratio * numel)``, at least 1."""
-        return keep_count(self.options.ratio, numel)
+        """Size of a layer's shared support: ``ceil(kept_fraction * numel)``, at least 1."""
+        return keep_count(self.kept_fraction, numel)
 
     def innovation_k(self, numel: int) -> int:
         """``"ps"``: innovation values a rank sends for a layer, at most the support's size."""
@@ -473,7 +489,7 @@ class LGCCodec(LearnedState, MultiRound, Codec):
         latents = msg[4 * (n_scales + n_flags) : 4 * (n_scales + n_flags + n_lat)].view(torch.float32)
         off_b, off_f, off_z = 4 * (n_scales + n_flags + n_lat), 0, 0
         if step != self._ae_count_step:  # counted over the buckets of one step
-            self._ae_layers_used, self._ae_count_step = (0, 0), step
+            self._ae_layers_used, self._values_used, self._ae_count_step = (0, 0), (0, 0, 0), step
         for i, ((key, _, _), k, a, nl, e, b, n) in enumerate(
             zip(layers, sizes, use_ae, lat, encodings, code_bytes, numels)
         ):
@@ -492,9 +508,21 @@ class LGCCodec(LearnedState, MultiRound, Codec):
                     off_z += nl
                 used, eligible = self._ae_layers_used
                 self._ae_layers_used = (used + int(coded), eligible + 1)
+            carried, support, code_bytes_sent = self._values_used
+            if coded:
+                carried, code_bytes_sent = carried + k, code_bytes_sent + self._code_nbytes(k, n)
+            self._values_used = (carried, support + k, code_bytes_sent)
             self._shared[key] = _Shared(idx, s, z, coded, own_codes[i])
         self.last_timing["prepare_s"] = time.perf_counter() - t0
         return nbytes
+
+    def _code_nbytes(self, k: int, numel: int) -> int:
+        """Bytes a rank sends for a layer of ``k`` support values that the learned code carries."""
+        if not self.uses_autoencoder:
+            return levels.message_nbytes(k, self.options.code_bits)
+        if self.options.variant == "rar":
+            return 4 * self.ae.latent_channels * GradientAutoencoder.latent_len(k)
+        return 8 * self.innovation_k(numel)
 
     def _within_gate(self, v: Tensor, rec: Tensor) -> Tensor:
         """The run-time guard, on the leader: 1.0 when its own values ``v`` came back through the AE
@@ -800,11 +828,13 @@ class LGCCodec(LearnedState, MultiRound, Codec):
             "code": self.options.code,
             "levels": {k: v.detach().cpu().clone() for k, v in self._levels.items()},
             "samples": samples,
+            **self.level_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
             return
+        state = self.load_level_state(state)
         device = next(self.ae.parameters()).device
         self.ae.load_state_dict({k: v.to(device) for k, v in state["ae"].items()})
         self.ae.requires_grad_(False)
@@ -842,9 +872,9 @@ class LGCCodec(LearnedState, MultiRound, Codec):
 
 def _batches(samples: list, size: int) -> list[list]:
     """Group samples of one layer (equal length ``K``) into batches of at most ``size``."""
-    groups: dict[str, list] = {}
-    for s in samples:
-        groups.setdefault(s[0], []).append(s)
+    groups: dict[tuple[str, int], list] = {}
+    for s in samples:  # a layer's support changes size with the compression level
+        groups.setdefault((s[0], s[4].shape[-1]), []).append(s)
     out = []
     for g in groups.values():
         out.extend(g[i : i + size] for i in range(0, len(g), size))
