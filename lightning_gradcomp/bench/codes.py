@@ -181,7 +181,7 @@ def _fit_lgc(train: list, held: list, leaders: list[int], variant: str, width: i
         samples.extend((key, step, lead, v.shape[1] * 100, v) for key, v in kept.items())
     codec._samples = samples
     t0 = time.perf_counter()
-    loss, _ = codec._fit()
+    loss, _ = codec._fit()  # the codec's own training, on these samples
     return codec, time.perf_counter() - t0, loss
 
 

@@ -20,7 +20,16 @@ from torch import Tensor
 
 from lightning_gradcomp.codecs.bits import codes_nbytes, pack_codes, unpack_codes
 
-__all__ = ["decode", "dequantize", "encode", "fit_levels", "message_nbytes", "quantize", "relative_magnitudes"]
+__all__ = [
+    "decode",
+    "dequantize",
+    "encode",
+    "fit_layers",
+    "fit_levels",
+    "message_nbytes",
+    "quantize",
+    "relative_magnitudes",
+]
 
 
 def relative_magnitudes(values: Tensor) -> Tensor:
@@ -86,3 +95,35 @@ def decode(message: list[Tensor], levels: Tensor, bits: int, n: int) -> Tensor:
 def message_nbytes(n: int, bits: int) -> int:
     """Bytes of a message of ``n`` values: 4 for the RMS and the packed codes."""
     return 4 + codes_nbytes(n, bits)
+
+
+def fit_layers(
+    train: list, val: list, keys: list[str], fitted: Tensor, seed: int = 0
+) -> tuple[float, dict[str, tuple[float, float]]]:
+    """``lgc``'s switch: fit the levels of each layer in ``keys`` (into the rows of ``fitted``) on
+    the stage-2 samples ``train`` (``(key, step, leader, numel, (N, K) values)``, every rank's
+    messages). Return the relative error of the decoded aggregate on ``train`` and, per layer, its
+    squared error and squared norm on ``val``, in units of the leader's RMS (as for the
+    autoencoder, so the gate reads both alike)."""
+    count = fitted.shape[1]
+    for i, key in enumerate(keys):
+        values = [smp[4] for smp in train if smp[0] == key]
+        magnitudes = torch.cat([relative_magnitudes(v.float().cpu()) for v in values])
+        fitted[i] = fit_levels(magnitudes, count, seed=seed + i).to(fitted.device)
+    by_key = {k: fitted[i] for i, k in enumerate(keys)}
+    errors = {}
+    for name, part in (("train", train), ("val", val)):
+        out: dict[str, tuple[float, float]] = {}
+        for key, _, lead, _, v in part:
+            v = v.float()
+            scale = v[lead].pow(2).mean().sqrt().clamp_min(1e-30)
+            decoded = torch.stack([dequantize(*quantize(row, by_key[key]), by_key[key]) for row in v])
+            e, r = out.get(key, (0.0, 0.0))
+            out[key] = (
+                e + float((decoded.mean(0) - v.mean(0)).div(scale).pow(2).sum()),
+                r + float(v.mean(0).div(scale).pow(2).sum()),
+            )
+        errors[name] = out
+    train_errors = errors["train"].values()
+    error = (sum(e for e, _ in train_errors) / max(sum(r for _, r in train_errors), 1e-30)) ** 0.5
+    return error, errors["val"]

@@ -51,18 +51,17 @@ sum of those per-rank reconstructions, so error feedback is exact only up to tha
 from __future__ import annotations
 
 import math
-import random
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_gradcomp import comm
 from lightning_gradcomp.codecs import levels
+from lightning_gradcomp.codecs import lgc_autoencoder as autoencoder
 from lightning_gradcomp.codecs.base import (
     AdjustableLevel,
     Codec,
@@ -80,6 +79,7 @@ from lightning_gradcomp.codecs.base import (
     geometric_level,
     run_steps,
 )
+from lightning_gradcomp.codecs.lgc_autoencoder import GradientAutoencoder
 from lightning_gradcomp.codecs.positions import choose_encoding, decode_positions, encode_positions, encoded_nbytes
 from lightning_gradcomp.codecs.sampling import keep_count, select_top
 from lightning_gradcomp.registry import register_codec
@@ -114,62 +114,6 @@ class _LayerContext(NamedTuple):
     step: int
     key: str
     coded: bool
-
-
-class GradientAutoencoder(nn.Module):
-    """A 1-D convolutional autoencoder for vectors of kept gradient values.
-
-    Encoder (SOFF's layout with widths ``w, 2w, 4w, w``): four ``Conv1d(k=3, stride=2)`` with
-    LeakyReLU, then a linear ``Conv1d(k=1)`` to ``latent_channels``; a length-``K`` input becomes a
-    ``latent_channels x L`` code with ``L ~ K / 16``. Decoder: four ``ConvTranspose1d(k=3,
-    stride=2)`` (widths ``w/2, w, 2w, w/2``) with LeakyReLU, linear interpolation back to ``K``, and
-    a ``Conv1d(k=1)`` head; with ``innovation=True`` the head also reads one channel of sparse
-    node-specific values (SOFF's LGC-PS decoder).
-
-    Args:
-        width: ``w`` above (SOFF uses 64).
-        latent_channels: channels of the code; the AE sends ``latent_channels / 16`` of its input.
-        innovation: add the innovation input channel to the decoder head.
-    """
-
-    def __init__(self, width: int = 16, latent_channels: int = 4, innovation: bool = False) -> None:
-        super().__init__()
-        w, c, h = width, latent_channels, max(width // 2, 1)
-        act = nn.LeakyReLU
-        self.encoder = nn.Sequential(
-            nn.Conv1d(1, w, 3, stride=2), act(),
-            nn.Conv1d(w, 2 * w, 3, stride=2), act(),
-            nn.Conv1d(2 * w, 4 * w, 3, stride=2), act(),
-            nn.Conv1d(4 * w, w, 3, stride=2), act(),
-            nn.Conv1d(w, c, 1),  # linear: latents are averaged across ranks (RAR)
-        )  # fmt: skip
-        self.decoder = nn.Sequential(
-            nn.ConvTranspose1d(c, h, 3, stride=2), act(),
-            nn.ConvTranspose1d(h, w, 3, stride=2), act(),
-            nn.ConvTranspose1d(w, 2 * w, 3, stride=2), act(),
-            nn.ConvTranspose1d(2 * w, h, 3, stride=2), act(),
-        )  # fmt: skip
-        self.head = nn.Conv1d(h + int(innovation), 1, 1)
-        self.latent_channels = c
-        self.innovation = innovation
-
-    @staticmethod
-    def latent_len(k: int) -> int:
-        """Code length ``L`` for an input of length ``k`` (four unpadded stride-2, kernel-3 convs)."""
-        for _ in range(4):
-            k = (k - 3) // 2 + 1
-        return k
-
-    def encode(self, v: Tensor) -> Tensor:
-        """``(B, K) -> (B, c, L)``."""
-        return self.encoder(v.unsqueeze(1))
-
-    def decode(self, z: Tensor, k: int, u: Tensor | None = None) -> Tensor:
-        """``(B, c, L) -> (B, K)``; ``u`` is the ``(B, K)`` innovation channel when ``innovation``."""
-        y = F.interpolate(self.decoder(z), size=k, mode="linear", align_corners=False)
-        if self.innovation:
-            y = torch.cat([y, (torch.zeros_like(y[:, :1]) if u is None else u.unsqueeze(1))], dim=1)
-        return self.head(y).squeeze(1)
 
 
 @dataclass(frozen=True)
@@ -683,114 +627,20 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         return train, val
 
     def _fit_levels(self, keys: list[str], fitted: Tensor) -> tuple[float, dict[str, tuple[float, float]]]:
-        """Fit each layer's magnitude levels (into the rows of ``fitted``) on the training samples;
-        return the training error and, per layer, the squared error and squared norm of the decoded
-        aggregate on the held-out samples (in units of the leader's RMS, as for the AE)."""
         train, val = self._split_samples()
         if not train:
             return float("nan"), {}
-        count = fitted.shape[1]
-        for i, key in enumerate(keys):
-            values = [smp[4] for smp in train if smp[0] == key]
-            magnitudes = torch.cat([levels.relative_magnitudes(v.float().cpu()) for v in values])
-            fitted[i] = levels.fit_levels(magnitudes, count, seed=self.options.seed + i).to(fitted.device)
-        lv = {k: fitted[i] for i, k in enumerate(keys)}
-        errors = {}
-        for name, part in (("train", train), ("val", val)):
-            out: dict[str, tuple[float, float]] = {}
-            for key, _, lead, _, v in part:
-                v = v.float()
-                scale = v[lead].pow(2).mean().sqrt().clamp_min(1e-30)
-                decoded = torch.stack([levels.dequantize(*levels.quantize(row, lv[key]), lv[key]) for row in v])
-                e, r = out.get(key, (0.0, 0.0))
-                out[key] = (
-                    e + float((decoded.mean(0) - v.mean(0)).div(scale).pow(2).sum()),
-                    r + float(v.mean(0).div(scale).pow(2).sum()),
-                )
-            errors[name] = out
-        tr = errors["train"].values()
-        loss = math.sqrt(sum(e for e, _ in tr) / max(sum(r for _, r in tr), 1e-30))
-        return loss, errors["val"]
+        return levels.fit_layers(train, val, keys, fitted, self.options.seed)
 
     def _fit(self) -> tuple[float, dict[str, tuple[float, float]]]:
         with self._samples_lock:
             if not self._samples:
                 return float("nan"), {}
         train, val = self._split_samples()
-        device = next(self.ae.parameters()).device
-        ae = self.ae
-        ae.requires_grad_(True)
-        opt = torch.optim.Adam(ae.parameters(), lr=self.options.ae_lr)
-        rng = random.Random(self.options.seed)
-        batches = _batches(train, 8)
-        deadline = time.perf_counter() + self.options.ae_time_budget_s
-        last = float("nan")
-        # the hook runs inside DDP's backward, where autograd is off: a nested backward is allowed
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            torch.manual_seed(self.options.seed)
-            for _ in range(self.options.ae_epochs):
-                rng.shuffle(batches)
-                total, count = 0.0, 0
-                for batch in batches:
-                    v, _ = self._normalized(batch, device)
-                    loss = self._loss(v, batch[0][3], rng)
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    opt.step()
-                    total, count = total + float(loss.detach()), count + 1
-                    if time.perf_counter() > deadline:
-                        break
-                last = total / max(count, 1)
-                if time.perf_counter() > deadline:
-                    break
-        ae.requires_grad_(False)
-        return last, self._recon_error(val, device)
-
-    def _normalized(
-        self, batch: list[tuple[str, int, int, int, Tensor]], device: torch.device
-    ) -> tuple[Tensor, Tensor]:
-        v = torch.stack([b[4] for b in batch]).to(device)  # (B, N, K)
-        lead = torch.tensor([b[2] for b in batch], device=device)
-        s = v[torch.arange(len(batch), device=device), lead].pow(2).mean(-1).sqrt().clamp_min(1e-30)
-        return v / s.view(-1, 1, 1), s
+        return autoencoder.fit(self.ae, self.options, train, val, self.innovation_k)
 
     def _innovation(self, v: Tensor, numel: int) -> tuple[Tensor, Tensor]:
-        """PS: the positions of the ``innovation_k`` largest of the (scaled) values ``v`` along the
-        last dimension, and the innovation channel (those values, zero elsewhere)."""
-        pos = v.abs().topk(self.innovation_k(numel), dim=-1).indices
-        return pos, torch.zeros_like(v).scatter_(-1, pos, v.gather(-1, pos))
-
-    def _loss(self, v: Tensor, numel: int, rng: random.Random) -> Tensor:
-        b, n, k = v.shape
-        z = self.ae.encode(v.reshape(b * n, k)).view(b, n, self.ae.latent_channels, -1)
-        if self.options.variant == "rar":
-            agg = F.mse_loss(self.ae.decode(z.mean(1), k), v.mean(1))
-            node = F.mse_loss(self.ae.decode(z.reshape(b * n, self.ae.latent_channels, -1), k), v.reshape(b * n, k))
-            return agg + 0.5 * node
-        r = rng.randrange(n)  # SOFF's trick: one rank's latent must decode every rank's values
-        zr = z[:, r : r + 1].expand(b, n, -1, -1).reshape(b * n, self.ae.latent_channels, -1)
-        rec = F.mse_loss(self.ae.decode(zr, k, self._innovation(v, numel)[1].reshape(b * n, k)), v.reshape(b * n, k))
-        sim = (z.unsqueeze(1) - z.unsqueeze(2)).pow(2).mean() * n / max(n - 1, 1) if n > 1 else z.sum() * 0
-        return 0.5 * rec + 0.5 * sim
-
-    @torch.no_grad()
-    def _recon_error(self, samples: list, device: torch.device) -> dict[str, tuple[float, float]]:
-        """Per layer: squared error and squared norm of the decoded aggregate (normalized units)."""
-        out: dict[str, tuple[float, float]] = {}
-        for batch in _batches(samples, 8):
-            v, _ = self._normalized(batch, device)
-            b, n, k = v.shape
-            z = self.ae.encode(v.reshape(b * n, k)).view(b, n, self.ae.latent_channels, -1)
-            if self.options.variant == "rar":
-                vhat = self.ae.decode(z.mean(1), k)
-            else:
-                lead = torch.tensor([x[2] for x in batch], device=device)
-                zl = z[torch.arange(b, device=device), lead]
-                u = self._innovation(v, batch[0][3])[1]
-                vhat = self.ae.decode(zl.repeat_interleave(n, 0), k, u.reshape(b * n, k)).view(b, n, k).mean(1)
-            e, r = out.get(batch[0][0], (0.0, 0.0))
-            out[batch[0][0]] = (e + float((vhat - v.mean(1)).pow(2).sum()), r + float(v.mean(1).pow(2).sum()))
-        return out
+        return autoencoder.innovation(v, self.innovation_k(numel))
 
     def ae_digest(self) -> int:
         """A 62-bit digest of the learned code: the AE's weights and the levels (compare it across
@@ -868,14 +718,3 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._samples_lock = threading.Lock()
-
-
-def _batches(samples: list, size: int) -> list[list]:
-    """Group samples of one layer (equal length ``K``) into batches of at most ``size``."""
-    groups: dict[tuple[str, int], list] = {}
-    for s in samples:  # a layer's support changes size with the compression level
-        groups.setdefault((s[0], s[4].shape[-1]), []).append(s)
-    out = []
-    for g in groups.values():
-        out.extend(g[i : i + size] for i in range(0, len(g), size))
-    return out
