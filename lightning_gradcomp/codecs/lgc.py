@@ -1,15 +1,15 @@
 """``lgc``: Learned Gradient Compression (Abrahamyan, Chen, Bekoulis & Deligiannis, TNNLS 2021).
 
-Paper: https://arxiv.org/abs/2103.08870. Gradients computed on different ranks are correlated; a
-small 1-D convolutional autoencoder (AE), trained on real gradients early in training, learns a code
-for what they have in common. Training runs in three stages, switched on the same global optimizer
-step on every rank:
+Paper: https://arxiv.org/abs/2103.08870. A code for the values the ranks send is learned from the
+run's own gradients early in training: by default scalar magnitude levels, or the paper's 1-D
+convolutional autoencoder (AE, :mod:`~lightning_gradcomp.codecs.lgc_autoencoder`). Training runs
+in three stages, switched on the same global optimizer step on every rank:
 
 1. ``step < warmup_steps``: dense all-reduce.
 2. ``warmup_steps <= step < warmup_steps + ae_train_steps``: top-k on a *shared support* with error
    feedback. Every step a leader (rank ``step % N``) picks each layer's top-k positions ``S``
    (``k = ceil(ratio * numel)``) and broadcasts them; every rank sends its values ``v_i = x_i[S]``
-   (all-gather), so each rank sums ``sum_i v_i`` and also sees every ``v_i``: the AE's training data.
+   (all-gather), so each rank sums ``sum_i v_i`` and also sees every ``v_i``: the code's training data.
 3. Afterwards: a learned code, fitted once at the switch on rank 0 from stage 2's values and
    broadcast (identical on every rank, checked by a hash), is frozen and compresses ``v_i``.
 
@@ -40,8 +40,8 @@ The learned code (``code``):
     SOFF re-implementation): ``0.5 * mean_i MSE(D(z_r, u_i), v_i / s)`` with a random rank ``r``
     whose latent decodes every rank, plus ``0.5 *`` the mean pairwise MSE between latents.
 
-Layers whose ``k`` is below :data:`MIN_AE_LEN` send their values on the shared support without the AE
-(all-reduced or all-gathered sums of ``v_i``, exact). Residual (error feedback): everything outside
+Layers whose ``k`` is below :data:`MIN_AE_LEN` send their values on the shared support without a
+learned code (all-gathered sums of ``v_i``, exact). Residual (error feedback): everything outside
 ``S``; with ``"ps"`` also ``v_i - s * D(z, u_i)``, which every rank knows exactly; with ``"rar"``
 and ``ae_error_feedback`` (default) also ``v_i - s * D(E(v_i / s))``, this rank's own account of
 what the AE lost. Since ``D`` is nonlinear, the aggregate ``N s D(mean_i z_i)`` is not exactly the
