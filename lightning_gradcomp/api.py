@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.codecs.base import Codec
 from lightning_gradcomp.hook import CodecHookState, check_codec_consistency, codec_hook, make_context
-from lightning_gradcomp.strategy import resolve_codec
+from lightning_gradcomp.registry import resolve_codec
 
 __all__ = ["make_comm_hook"]
 

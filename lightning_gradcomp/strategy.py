@@ -26,7 +26,7 @@ from lightning_gradcomp.hook import (
     group_device,
     make_context,
 )
-from lightning_gradcomp.registry import make_codec
+from lightning_gradcomp.registry import resolve_codec  # it lived here: this import path still works
 
 __all__ = ["CompressedDDPStrategy", "resolve_codec"]
 
@@ -34,17 +34,6 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "gradcomp"
 _CHECKPOINT_VERSION = 1
-
-
-def resolve_codec(codec: str | Codec, codec_options: dict[str, Any] | None = None) -> Codec:
-    """A codec object from a registered name (with options) or a codec object itself."""
-    if isinstance(codec, Codec):
-        if codec_options:
-            raise ValueError("codec_options are only used with a codec name, not with a codec object")
-        return codec
-    if isinstance(codec, str):
-        return make_codec(codec, **(codec_options or {}))
-    raise TypeError(f"codec must be a registered name or a Codec, got {type(codec).__name__}")
 
 
 def _is_adaptive(param_group: dict[str, Any]) -> bool:

@@ -1,6 +1,7 @@
 """Property tests (hypothesis) of every registered codec in its compressing phase, single process.
 
-Every codec in ``available_codecs()`` has a case here, and a test fails when one is missing. Each
+Every codec in ``available_codecs()`` has a case: its own in ``CASES`` (options, the phase to reach),
+or by default the codec with its default options from its first compressing step. Each
 case is warmed up once, through the hook's order of calls (:mod:`codec_driver`), until it really
 compresses (gradiveq with a fitted basis, lgc with its autoencoder carrying the layer), then copied
 for every example: one-element layers, odd lengths, fp32/fp16/bf16 gradients (upcast to fp32 as
@@ -46,6 +47,8 @@ CASES: dict[str, tuple[str, dict, object]] = {
     "lgc": ("lgc", {**_AE, "max_recon_error": math.inf}, lambda c, s: c.stage(s) == 3 and c.ae_trained),
     "lgc@ps": ("lgc", {**_AE, "variant": "ps", "max_recon_error": math.inf}, lambda c, s: c.stage(s) == 3),
 }
+# a codec without a case of its own is tested with its default options
+CASES.update({n: (n, {}, None) for n in REGISTERED - {name for name, _, _ in CASES.values()}})
 # how far a wire format reaches: fp16 overflows beyond 65504 (the hook catches that, see
 # test_reliability::test_nonfinite_gradient_with_plain_ddp_zeroes_the_bucket_on_every_rank);
 # everything else must stay finite at 1e30
