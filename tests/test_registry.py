@@ -181,3 +181,37 @@ def test_replace_options_checks_the_new_values():
         codec.replace_options(ratio=2.0)
     with pytest.raises(ValueError, match="no option 'not_an_option'.*ratio"):
         codec.replace_options(not_an_option=1)
+
+
+def test_positive_float_keeps_each_codecs_accepted_values():
+    import math
+
+    from lightning_gradcomp.codecs.options import check_positive_float
+
+    assert check_positive_float("x", 2) == 2.0 and check_positive_float("x", 0, allow_zero=True) == 0.0
+    assert check_positive_float("x", math.inf, allow_inf=True) == math.inf
+    for bad, kw in [(0, {}), (-1.0, {"allow_zero": True}), (math.inf, {}), (math.nan, {}), (True, {}), ("1", {})]:
+        with pytest.raises(ValueError, match="x must be a .*number"):
+            check_positive_float("x", bad, **kw)
+    assert make_codec("terngrad", clip=math.inf).options.clip == math.inf  # no clipping, as before
+    assert make_codec("powersgd", min_compression_rate=math.inf).options.min_compression_rate == math.inf
+    for name, options, match in [
+        ("iwp", {"eps": math.inf}, "eps must be a finite number > 0"),
+        ("terngrad", {"clip": -1.0}, r"clip must be a number >= 0 \(0 disables clipping\)"),
+        ("powersgd", {"min_compression_rate": 0}, "min_compression_rate must be a number > 0"),
+        ("topk", {"momentum": 0.9, "weight_decay": math.inf}, "weight_decay must be a finite number >= 0"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            make_codec(name, **options)
+
+
+def test_moved_names_import_from_where_they_were():
+    from lightning_gradcomp.codecs import base, extensions, options, sampling
+    from lightning_gradcomp.hook import layers
+
+    assert base.HarnessOptions is options.HarnessOptions and base.check_run_steps is options.check_run_steps
+    assert base.DensityWarmup is sampling.DensityWarmup and base.AdjustableLevel is extensions.AdjustableLevel
+    assert base.weight_layer_ends is layers.weight_layer_ends and base.AUTO_DENSE_MAX_SHARE == 0.05
+    import lightning_gradcomp.codecs as codecs
+
+    assert all(hasattr(codecs, n) for n in base.__all__)

@@ -24,16 +24,38 @@ A codec declares how its payloads are combined across ranks with :attr:`Codec.co
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable, Literal, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, ClassVar, Iterable, Literal, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp import comm
+
+# Re-exported from where they moved, so that every import of them from here keeps working (lgc.py,
+# the callbacks, user codecs): the opt-in extensions to codecs/extensions.py, the options and their
+# checks to codecs/options.py, DGC's density warm-up to codecs/sampling.py, and the layer policy
+# (weight_layer_ends) to hook/layers.py, loaded on first use (see __getattr__ at the end).
+from lightning_gradcomp.codecs.extensions import (  # noqa: F401
+    AdjustableCompression,
+    AdjustableLevel,
+    LearnedState,
+    MultiRound,
+    geometric_level,
+)
+from lightning_gradcomp.codecs.options import (  # noqa: F401
+    CodecOptions,
+    HarnessOptions,
+    check_choice,
+    check_fraction,
+    check_positive_float,
+    check_positive_int,
+    check_run_steps,
+    run_steps,
+)
+from lightning_gradcomp.codecs.sampling import DensityWarmup, check_density_warmup  # noqa: F401
 
 __all__ = [
     "Codec",
@@ -52,111 +74,14 @@ __all__ = [
     "check_fraction",
     "check_positive_int",
     "check_choice",
+    "check_positive_float",
     "check_run_steps",
     "run_steps",
-    "weight_layer_ends",
+    "weight_layer_ends",  # noqa: F822 (see __getattr__)
 ]
 
 Collective = Literal["allreduce", "allgather", "custom"]
 COLLECTIVES = ("allreduce", "allgather", "custom")
-
-
-# --------------------------------------------------------------------------------------------------
-# options: declared, frozen, validated once
-@dataclass(frozen=True)
-class CodecOptions:
-    """A codec's hyper-parameters. Subclass it as a frozen dataclass (one field per option, with
-    its default) and validate in :meth:`check`, which runs at construction and on every
-    :meth:`Codec.replace_options`. ``check`` may normalise a value with :meth:`_set` (an int given
-    as ``3.0`` becomes ``3``), so that equal settings hash equally on every rank."""
-
-    def __post_init__(self) -> None:
-        self.check()
-
-    def check(self) -> None:
-        """Raise ``ValueError`` naming the option and what it must be."""
-
-    def _set(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)
-
-
-@dataclass(frozen=True)
-class HarnessOptions(CodecOptions):
-    """What the hook does around every codec; each codec takes these as keyword options too.
-
-    A codec changes the defaults with :attr:`Codec.harness_defaults` and refuses values it cannot
-    run with in :meth:`Codec.check_harness`.
-
-    Args:
-        error_feedback: keep what compression dropped in a per-parameter residual and add it to the
-            next step's gradient (Stich et al. 2018, "Sparsified SGD with memory").
-        min_numel: layers with fewer elements travel uncompressed in a plain fp32 all-reduce
-            (biases and norms cost little and are sensitive).
-        start_step: optimizer steps of plain all-reduce before compression starts. DDP rebuilds its
-            buckets after the first step (the second with ``static_graph=True``), so the hook
-            never compresses before step 2 whatever this says.
-        dense_layers: parameters that always travel uncompressed in the fp32 all-reduce, whatever
-            their size (their bytes count in ``bytes_sent``). ``"auto"`` (default): the first and
-            the last weight layer of the model (the parameters of the modules that hold the first
-            and the last parameter with two or more dimensions, in registration order: the stem
-            convolution and the classifier of a CNN), each only if it holds at most 5 % of the
-            trainable parameters. In a CNN these layers are tiny (0.06 % of ResNet-18 together)
-            and compression hurts them most (DGC and SOFF keep them dense too); in a small MLP the
-            first layer can be a large share of the model, and then it is compressed. ``"none"``:
-            no layer beyond the small ones. A list of ``fnmatch`` patterns of parameter names
-            (``["fc.*", "*.downsample.*"]``), which may contain ``"auto"``. A pattern that matches
-            no parameter is an error.
-        momentum: momentum correction (Lin et al. 2018, "Deep Gradient Compression"): each rank
-            keeps its own momentum buffer ``u <- momentum * u + g`` and the codec sends the
-            velocity, so what error feedback holds back is velocity, not raw gradient. Default 0
-            (off). When on, the optimizer must not add momentum again: use plain SGD
-            (``momentum=0``; the strategy refuses an optimizer with momentum). With a lossless
-            codec the training is exactly SGD with this momentum.
-        nesterov: with ``momentum``: send ``g + momentum * u`` (Nesterov), as ``torch.optim.SGD``.
-        weight_decay: with ``momentum``: add ``weight_decay * w`` to the gradient before the
-            momentum, as ``torch.optim.SGD`` does; set the optimizer's own to 0 then.
-        momentum_masking: with ``momentum``: zero the momentum buffer where this step sent the
-            velocity (DGC's momentum factor masking), so stale momentum does not push the sent
-            coordinates again. Default True; it applies to codecs that send a sparse subset
-            (``topk``, ``iwp``, ``lgc``) and is ignored by the others.
-        lr_scaled_feedback: with ``error_feedback``: keep the residual in units of the update
-            rather than of the gradient. When the learning rate changes from ``lr_then`` to
-            ``lr_now`` the residual is multiplied by ``lr_then / lr_now`` before it is added, so a
-            gradient held back while the rate decays is applied with the rate of the step that
-            computed it, as in the error feedback of the papers (Stich et al. 2018 and
-            Karimireddy et al. 2019 keep ``lr_t * g_t`` in the memory). The strategy reads the
-            rates from the optimizers before each backward; with ``make_comm_hook`` call
-            ``state.rescale_residuals({name: lr})`` before each backward. Default False (``lgc``:
-            True). A codec's default of True applies only when error feedback is on.
-    """
-
-    error_feedback: bool = False
-    min_numel: int = 1024
-    start_step: int = 2
-    dense_layers: tuple[str, ...] = ("auto",)
-    momentum: float = 0.0
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    momentum_masking: bool = True
-    lr_scaled_feedback: bool = False
-
-    def check(self) -> None:
-        self._set("error_feedback", bool(self.error_feedback))
-        self._set("min_numel", check_positive_int("min_numel", self.min_numel, allow_zero=True))
-        self._set("start_step", check_positive_int("start_step", self.start_step, allow_zero=True))
-        self._set("dense_layers", _check_dense_layers(self.dense_layers))
-        self._set("momentum", check_fraction("momentum", self.momentum, low_open=False, high_open=True))
-        wd = self.weight_decay
-        if isinstance(wd, bool) or not (isinstance(wd, (int, float)) and math.isfinite(wd) and wd >= 0):
-            raise ValueError(f"weight_decay must be a finite number >= 0, got {wd!r}")
-        if (self.nesterov or wd) and not self.momentum:
-            raise ValueError("nesterov and weight_decay are part of momentum correction: set momentum > 0 too")
-        self._set("weight_decay", float(wd))
-        self._set("nesterov", bool(self.nesterov))
-        self._set("momentum_masking", bool(self.momentum_masking))
-        if self.lr_scaled_feedback and not self.error_feedback:
-            raise ValueError("lr_scaled_feedback rescales the error-feedback residual: it needs error_feedback=True")
-        self._set("lr_scaled_feedback", bool(self.lr_scaled_feedback))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -370,27 +295,12 @@ class Codec:
         self.options = dataclasses.replace(self.options, **changes)
 
     def plan_layers(self, named_parameters: Iterable[tuple[str, Tensor]]) -> frozenset[str]:
-        """Resolve ``dense_layers`` against the model; called once with the model's
-        ``named_parameters()`` before the first step. Returns the names kept dense.
+        """Resolve ``dense_layers`` against the model (:func:`lightning_gradcomp.hook.layers.plan_layers`);
+        called once with the model's ``named_parameters()`` before the first step. Returns the names
+        kept dense."""
+        from lightning_gradcomp.hook.layers import plan_layers
 
-        Raises:
-            ValueError: a pattern matches no trainable parameter (the message lists some names).
-        """
-        named = [(n, p) for n, p in named_parameters if p.requires_grad]
-        names = [n for n, _ in named]
-        dense: set[str] = set()
-        for pattern in self.harness.dense_layers:
-            if pattern == "none":
-                continue
-            if pattern == "auto":
-                dense.update(weight_layer_ends(named))
-                continue
-            hits = fnmatch.filter(names, pattern)
-            if not hits:
-                shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-                raise ValueError(f"dense_layers pattern {pattern!r} matches no trainable parameter (names: {shown})")
-            dense.update(hits)
-        self._dense_keys = frozenset(dense)
+        self._dense_keys = plan_layers(self.harness.dense_layers, named_parameters)
         return self._dense_keys
 
     @property
@@ -420,296 +330,16 @@ class Codec:
         return f"{type(self).__name__}({opts})"
 
 
-class LearnedState:
-    """Extension: state a codec learns during the run or keeps across a restart.
-
-    Mix it into a :class:`Codec` subclass (``class MyCodec(LearnedState, Codec)``) and override
-    what applies. :meth:`observe_dense` and :meth:`on_step_end` are called on every rank with the
-    same arguments; ``on_step_end`` runs in the hook body of the next step (never in a ``.then``
-    callback), so it may run the collectives of :class:`CodecContext`.
-    """
-
-    def observe_dense(self, key: str, mean_grad: Tensor, step: int) -> None:
-        """Sees each aggregated, uncompressed gradient of a compressed-size layer on steps that do
-        not compress (warm-up). Identical on all ranks; learned codecs fit on it."""
-
-    def on_step_end(self, step: int) -> None:
-        """After the last bucket of optimizer step ``step`` was launched (and its futures done)."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """State identical on every rank (bases, learned weights, schedules)."""
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state:
-            raise ValueError(f"codec {self.name!r} keeps no state but was given {sorted(state)}")
-
-    def rank_state_dict(self) -> dict[str, Tensor]:
-        """State that differs per rank, beyond the residuals the hook keeps, as CPU copies (a
-        checkpoint and a rollback snapshot keep them while training goes on)."""
-        return {}
-
-    def load_rank_state_dict(self, state: dict[str, Tensor]) -> None:
-        if state:
-            raise ValueError(f"codec {self.name!r} keeps no per-rank state but was given {sorted(state)}")
-
-
-class MultiRound:
-    """Extension: a codec that runs collectives of its own for a bucket, in the hook body.
-
-    :meth:`prepare_bucket` runs before the layers of a bucket are encoded (a broadcast of one
-    rank's index set); a codec whose :attr:`~Codec.collective` is ``"custom"`` runs the whole
-    exchange in :meth:`communicate_bucket`. Both get a :class:`RoundContext`, never the hook's state.
-    """
-
-    #: codec state is keyed by DDP bucket index: the hook sends plain all-reduce until DDP has
-    #: rebuilt its buckets in the layout the state was made for (a resumed run)
-    bucket_keyed_state: ClassVar[bool] = False
-
-    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], rc: RoundContext) -> int:
-        """``(key, input, param)`` of each compressed layer of the bucket. It may run blocking
-        collectives through ``rc.comm``. Returns the bytes this rank sent."""
-        return 0
-
-    def communicate_bucket(self, bucket: Any, layers: list, flag: Tensor, rc: RoundContext) -> Any:
-        """``custom`` codecs: run the whole protocol for a ``torch.distributed.GradBucket`` and
-        return a future of the averaged bucket. ``layers`` holds ``(key, gradient view, param)``;
-        ``flag`` is a one-element fp32 tensor, 1.0 when this rank's bucket is not finite."""
-        raise NotImplementedError(f"codec {self.name!r} declares collective 'custom' but has no protocol")
-
-
-@runtime_checkable
-class AdjustableCompression(Protocol):
-    """A codec whose amount of compression can be lowered while training runs.
-
-    ``compression_level`` is the level in use, in ``[0, 1]``: higher compresses more. For the FFT
-    codec it is theta, the fraction of frequency coefficients dropped (0: lossless up to the
-    quantizer); for the codecs built on :class:`AdjustableLevel` (``topk``, ``iwp``, ``qsgd``,
-    ``powersgd``, ``gradiveq``) 1 is the configured setting and 0 a light one. A schedule or a
-    controller (:class:`~lightning_gradcomp.callbacks.ThetaDecay`,
-    :class:`~lightning_gradcomp.callbacks.AdaptiveCompression`) sets the level with
-    :meth:`set_level`; ``compression_limit`` is an upper bound on it that the codec respects
-    whatever a schedule sets (lowered by :class:`~lightning_gradcomp.callbacks.AccuracyDropRollback`).
-    Both must change only between optimizer steps, at the same step on every rank, and both belong
-    in the codec's ``state_dict``.
-    """
-
-    @property
-    def compression_level(self) -> float: ...
-
-    def set_level(self, level: float) -> None: ...
-
-    @property
-    def compression_limit(self) -> float: ...
-
-    @compression_limit.setter
-    def compression_limit(self, value: float) -> None: ...
-
-
-class AdjustableLevel(LearnedState):
-    """Extension: :class:`AdjustableCompression` for a codec whose knob (a kept fraction, a rank, a
-    number of components or of levels) moves between a light setting and its configured one.
-
-    The level ``L`` in use is ``min(level set, compression_limit)``; 1 (the default) is the codec's
-    configured setting, 0 its light setting. A codec maps ``L`` onto its knob with
-    :func:`geometric_level` (``light^(1-L) * configured^L``: equal steps of ``L`` scale the bytes
-    by equal factors) and recomputes whatever derives from it in :meth:`on_level_change`. The level
-    and the limit are saved in :meth:`state_dict`; a codec with state of its own adds
-    :meth:`level_state` to its ``state_dict`` and loads through :meth:`load_level_state`.
-
-    Message sizes follow the level, so it must change between optimizer steps, at the same step on
-    every rank: a callback sets it from values every rank holds (the global step, the averaged
-    gradient), never inside the communication hook.
-    """
-
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self._level = 1.0  # the level a schedule set last
-        self._limit = 1.0
-
-    @property
-    def compression_level(self) -> float:
-        """The level in use: ``min(level set, compression_limit)``."""
-        return min(self._level, self._limit)
-
-    def set_level(self, level: float) -> None:
-        """Set the level (1: the configured setting, 0: the light one)."""
-        before = self.compression_level
-        self._level = check_fraction("level", level, low_open=False)
-        if self.compression_level != before:
-            self.on_level_change()
-
-    @property
-    def compression_limit(self) -> float:
-        """Upper bound on the level, whatever a schedule sets; lowered by accuracy-drop rollbacks."""
-        return self._limit
-
-    @compression_limit.setter
-    def compression_limit(self, value: float) -> None:
-        before = self.compression_level
-        self._limit = check_fraction("compression_limit", value, low_open=False)
-        if self.compression_level != before:
-            self.on_level_change()
-
-    def on_level_change(self) -> None:
-        """The level in use changed (between two optimizer steps): recompute the knob."""
-
-    def level_state(self) -> dict[str, float]:
-        return {"level": self._level, "compression_limit": self._limit}
-
-    def load_level_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Apply the level entries of ``state`` (absent from checkpoints written before the codec
-        was adjustable: the level stays) and return the other entries."""
-        rest = dict(state)
-        limit = rest.pop("compression_limit", None)
-        level = rest.pop("level", None)
-        if limit is not None:
-            self.compression_limit = limit
-        if level is not None:
-            self.set_level(level)
-        return rest
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.level_state()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        rest = self.load_level_state(state)
-        if rest:
-            raise ValueError(f"codec {self.name!r} does not know the state entries {sorted(rest)}")
-
-
-def geometric_level(light: float, configured: float, level: float) -> float:
-    """The knob at ``level``: ``light^(1-level) * configured^level`` (``light`` at 0, ``configured``
-    at 1), so that each step of the level multiplies the knob by the same factor."""
-    return light ** (1.0 - level) * configured**level
-
-
 def option_names(cls: type[Codec]) -> list[str]:
     """The keyword options ``cls`` takes: its own, then the harness's."""
     return [f.name for f in dataclasses.fields(cls.Options)] + [f.name for f in dataclasses.fields(HarnessOptions)]
 
 
-class DensityWarmup:
-    """DGC's warm-up of sparsity for codecs that keep a fraction of the entries (``topk``, ``iwp``).
+def __getattr__(name: str) -> Any:
+    # the layer policy lives in lightning_gradcomp.hook, whose modules import this one: it is
+    # re-exported lazily, on first use, rather than imported above
+    if name in ("weight_layer_ends", "AUTO_DENSE_MAX_SHARE"):
+        from lightning_gradcomp.hook import layers
 
-    For the first ``steps`` compressed steps the kept fraction shrinks exponentially from ``start``
-    to the codec's own fraction: ``start ** (1 - t) * target ** t`` with ``t`` the share of the
-    warm-up done (DGC: 25 %, 6.25 %, 1.56 %, 0.4 %, 0.1 % over four epochs). It is a function of the
-    step alone, so every rank keeps the same number of entries. ``steps`` may be a fraction of the
-    run (see :func:`run_steps`, capped at ``cap``); 0 turns it off. A codec that offers it declares
-    the options ``density_warmup`` and ``density_warmup_start`` and checks them with
-    :func:`check_density_warmup`.
-    """
-
-    def __init__(self, steps: int | float, start: float, cap: int = 2000) -> None:
-        self.steps = check_run_steps("density_warmup", steps)
-        self.start = check_fraction("density_warmup_start", start)
-        self.cap = cap
-
-    @classmethod
-    def of(cls, options: Any) -> DensityWarmup:
-        return cls(options.density_warmup, options.density_warmup_start)
-
-    def fraction(self, target: float, step: int, first_step: int, total_steps: int | None) -> float:
-        """The kept fraction at optimizer ``step`` for a codec whose own fraction is ``target``."""
-        length = run_steps(self.steps, total_steps, self.cap)
-        if length <= 0 or self.start <= target or step >= first_step + length:
-            return target
-        t = max(0.0, (step - first_step) / length)
-        return self.start ** (1.0 - t) * target**t
-
-    def kept(self, numel: int, target: float, step: int | None, codec: Codec) -> int:
-        """Entries ``codec`` keeps of a layer of ``numel`` at ``step`` (``None``: after the warm-up)."""
-        from lightning_gradcomp.codecs.sampling import keep_count
-
-        if step is not None:
-            target = self.fraction(target, step, codec.harness.start_step, codec.run_total_steps)
-        return keep_count(target, numel)
-
-
-def check_density_warmup(options: CodecOptions) -> None:
-    """Check and normalise the ``density_warmup`` and ``density_warmup_start`` options."""
-    warmup = DensityWarmup.of(options)
-    options._set("density_warmup", warmup.steps)
-    options._set("density_warmup_start", warmup.start)
-
-
-# --------------------------------------------------------------------------------------------------
-# validation helpers: each names the option and what it must be
-def check_fraction(name: str, value: float, *, low_open: bool = True, high_open: bool = False) -> float:
-    value = float(value)
-    ok_low = value > 0 if low_open else value >= 0
-    ok_high = value < 1 if high_open else value <= 1
-    if not (math.isfinite(value) and ok_low and ok_high):
-        lo = "(0" if low_open else "[0"
-        hi = "1)" if high_open else "1]"
-        raise ValueError(f"{name} must be in {lo}, {hi}, got {value}")
-    return value
-
-
-def check_positive_int(name: str, value: int, *, allow_zero: bool = False) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else ">= 1"
-        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
-    return value
-
-
-def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-    return value
-
-
-def check_run_steps(name: str, value: int | float) -> int | float:
-    """A schedule length: an integer number of optimizer steps (>= 0), or a float in ``(0, 1)``,
-    a fraction of the run (see :func:`run_steps`)."""
-    if isinstance(value, float) and 0 < value < 1:
-        return value
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"{name} must be an integer >= 0 (steps) or a float in (0, 1) (a fraction of the run), got {value!r}"
-        )
-    return value
-
-
-def run_steps(value: int | float, total_steps: int | None, cap: int) -> int:
-    """Steps of a schedule given as steps (an int, returned as is) or as a fraction of the run (a
-    float): ``round(value * total_steps)``, at least 1 and at most ``cap`` (the paper's step count,
-    so that long runs do not stay uncompressed for thousands of steps). When the run's length is
-    unknown (plain DDP without Lightning, an open-ended run) a fraction resolves to ``cap``."""
-    if isinstance(value, int):
-        return value
-    if total_steps is None:
-        return cap
-    return max(1, min(cap, round(value * total_steps)))
-
-
-#: ``dense_layers="auto"`` keeps an end layer dense only up to this share of the parameters
-AUTO_DENSE_MAX_SHARE = 0.05
-
-
-def weight_layer_ends(
-    named_parameters: Sequence[tuple[str, Tensor]], max_share: float = AUTO_DENSE_MAX_SHARE
-) -> set[str]:
-    """Names of the parameters of the first and the last weight layer: the modules (name prefixes)
-    that hold the first and the last parameter with two or more dimensions, each only when its
-    parameters are at most ``max_share`` of all the given parameters."""
-    weights = [n for n, p in named_parameters if p.dim() >= 2]
-    if not weights:
-        return set()
-    total = sum(p.numel() for _, p in named_parameters)
-    out: set[str] = set()
-    for module in {weights[0].rpartition(".")[0], weights[-1].rpartition(".")[0]}:
-        names = {n for n, _ in named_parameters if n.rpartition(".")[0] == module}
-        if sum(p.numel() for n, p in named_parameters if n in names) <= max_share * total:
-            out |= names
-    return out
-
-
-def _check_dense_layers(value: str | Sequence[str]) -> tuple[str, ...]:
-    items = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
-    if items is None or not all(isinstance(v, str) and v for v in items):
-        raise ValueError(f"dense_layers must be 'auto', 'none' or a list of parameter-name patterns, got {value!r}")
-    return tuple(items)
+        return getattr(layers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

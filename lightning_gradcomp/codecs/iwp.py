@@ -26,7 +26,6 @@ keep_fraction)``, as for ``topk``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +44,7 @@ from lightning_gradcomp.codecs.base import (
     check_choice,
     check_density_warmup,
     check_fraction,
+    check_positive_float,
     geometric_level,
 )
 from lightning_gradcomp.codecs.positions import (
@@ -145,10 +145,7 @@ class IWPOptions(CodecOptions):
         check_choice("root", self.root, ROOTS)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        eps = self.eps
-        if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
-            raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
-        self._set("eps", float(eps))
+        self._set("eps", check_positive_float("eps", self.eps))
         check_choice("scope", self.scope, SCOPES)
         self._set("sample_fraction", check_fraction("sample_fraction", self.sample_fraction, low_open=False))
 

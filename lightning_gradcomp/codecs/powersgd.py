@@ -43,6 +43,7 @@ from lightning_gradcomp.codecs.base import (
     HarnessOptions,
     MultiRound,
     RoundContext,
+    check_positive_float,
     check_positive_int,
     geometric_level,
 )
@@ -64,9 +65,8 @@ class PowerSGDOptions(CodecOptions):
 
     def check(self) -> None:
         check_positive_int("rank", self.rank)
-        if not self.min_compression_rate > 0:
-            raise ValueError(f"min_compression_rate must be > 0, got {self.min_compression_rate}")
-        self._set("min_compression_rate", float(self.min_compression_rate))
+        rate = check_positive_float("min_compression_rate", self.min_compression_rate, allow_inf=True)
+        self._set("min_compression_rate", rate)
         self._set("warm_start", bool(self.warm_start))
         self._set("use_error_feedback", bool(self.use_error_feedback))
         self._set("seed", int(self.seed))

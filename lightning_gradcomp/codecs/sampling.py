@@ -1,14 +1,20 @@
-"""Randomness and selection shared by several codecs."""
+"""Randomness and selection shared by several codecs, and DGC's warm-up of the kept fraction."""
 
 from __future__ import annotations
 
 import math
 import zlib
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["seeded_generator", "select_top", "keep_count"]
+from lightning_gradcomp.codecs.options import CodecOptions, check_fraction, check_run_steps, run_steps
+
+if TYPE_CHECKING:
+    from lightning_gradcomp.codecs.base import Codec
+
+__all__ = ["seeded_generator", "select_top", "keep_count", "DensityWarmup", "check_density_warmup"]
 
 
 def seeded_generator(seed: int, rank: int, step: int, key: str, device: torch.device) -> torch.Generator:
@@ -61,3 +67,46 @@ def select_top(s: Tensor, k: int, sample_fraction: float = 0.01, generator: torc
                 cand = cand[above | (tied & (tied.cumsum(0) <= k - int(above.sum())))]
             return cand
     return torch.topk(s, k, sorted=False).indices.sort().values
+
+
+class DensityWarmup:
+    """DGC's warm-up of sparsity for codecs that keep a fraction of the entries (``topk``, ``iwp``).
+
+    For the first ``steps`` compressed steps the kept fraction shrinks exponentially from ``start``
+    to the codec's own fraction: ``start ** (1 - t) * target ** t`` with ``t`` the share of the
+    warm-up done (DGC: 25 %, 6.25 %, 1.56 %, 0.4 %, 0.1 % over four epochs). It is a function of the
+    step alone, so every rank keeps the same number of entries. ``steps`` may be a fraction of the
+    run (see :func:`run_steps`, capped at ``cap``); 0 turns it off. A codec that offers it declares
+    the options ``density_warmup`` and ``density_warmup_start`` and checks them with
+    :func:`check_density_warmup`.
+    """
+
+    def __init__(self, steps: int | float, start: float, cap: int = 2000) -> None:
+        self.steps = check_run_steps("density_warmup", steps)
+        self.start = check_fraction("density_warmup_start", start)
+        self.cap = cap
+
+    @classmethod
+    def of(cls, options: Any) -> DensityWarmup:
+        return cls(options.density_warmup, options.density_warmup_start)
+
+    def fraction(self, target: float, step: int, first_step: int, total_steps: int | None) -> float:
+        """The kept fraction at optimizer ``step`` for a codec whose own fraction is ``target``."""
+        length = run_steps(self.steps, total_steps, self.cap)
+        if length <= 0 or self.start <= target or step >= first_step + length:
+            return target
+        t = max(0.0, (step - first_step) / length)
+        return self.start ** (1.0 - t) * target**t
+
+    def kept(self, numel: int, target: float, step: int | None, codec: Codec) -> int:
+        """Entries ``codec`` keeps of a layer of ``numel`` at ``step`` (``None``: after the warm-up)."""
+        if step is not None:
+            target = self.fraction(target, step, codec.harness.start_step, codec.run_total_steps)
+        return keep_count(target, numel)
+
+
+def check_density_warmup(options: CodecOptions) -> None:
+    """Check and normalise the ``density_warmup`` and ``density_warmup_start`` options."""
+    warmup = DensityWarmup.of(options)
+    options._set("density_warmup", warmup.steps)
+    options._set("density_warmup_start", warmup.start)

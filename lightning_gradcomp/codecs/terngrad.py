@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.codecs.base import Codec, CodecOptions, EncodeResult
+from lightning_gradcomp.codecs.base import Codec, CodecOptions, EncodeResult, check_positive_float
 from lightning_gradcomp.codecs.bits import pack_bits, unpack_bits
 from lightning_gradcomp.codecs.sampling import seeded_generator
 from lightning_gradcomp.registry import register_codec
@@ -29,9 +29,8 @@ class TernGradOptions(CodecOptions):
     seed: int = 0
 
     def check(self) -> None:
-        if not self.clip >= 0:
-            raise ValueError(f"clip must be >= 0 (0 disables clipping), got {self.clip}")
-        self._set("clip", float(self.clip))
+        note = " (0 disables clipping)"
+        self._set("clip", check_positive_float("clip", self.clip, allow_zero=True, allow_inf=True, note=note))
         self._set("seed", int(self.seed))
 
 

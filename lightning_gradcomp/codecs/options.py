@@ -1,0 +1,189 @@
+"""Options: a codec's own (:class:`CodecOptions`), the harness's around every codec
+(:class:`HarnessOptions`), and the checks a codec's ``Options.check`` runs on its values. Each check
+names the option and what it must be, and returns the value normalised, so that equal settings
+compare and hash equally on every rank."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+__all__ = [
+    "CodecOptions",
+    "HarnessOptions",
+    "check_fraction",
+    "check_positive_int",
+    "check_positive_float",
+    "check_choice",
+    "check_run_steps",
+    "run_steps",
+    "check_dense_layers",
+]
+
+
+@dataclass(frozen=True)
+class CodecOptions:
+    """A codec's hyper-parameters. Subclass it as a frozen dataclass (one field per option, with
+    its default) and validate in :meth:`check`, which runs at construction and on every
+    :meth:`Codec.replace_options`. ``check`` may normalise a value with :meth:`_set` (an int given
+    as ``3.0`` becomes ``3``), so that equal settings hash equally on every rank."""
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the option and what it must be."""
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+
+@dataclass(frozen=True)
+class HarnessOptions(CodecOptions):
+    """What the hook does around every codec; each codec takes these as keyword options too.
+
+    A codec changes the defaults with :attr:`Codec.harness_defaults` and refuses values it cannot
+    run with in :meth:`Codec.check_harness`.
+
+    Args:
+        error_feedback: keep what compression dropped in a per-parameter residual and add it to the
+            next step's gradient (Stich et al. 2018, "Sparsified SGD with memory").
+        min_numel: layers with fewer elements travel uncompressed in a plain fp32 all-reduce
+            (biases and norms cost little and are sensitive).
+        start_step: optimizer steps of plain all-reduce before compression starts. DDP rebuilds its
+            buckets after the first step (the second with ``static_graph=True``), so the hook
+            never compresses before step 2 whatever this says.
+        dense_layers: parameters that always travel uncompressed in the fp32 all-reduce, whatever
+            their size (their bytes count in ``bytes_sent``). ``"auto"`` (default): the first and
+            the last weight layer of the model (the parameters of the modules that hold the first
+            and the last parameter with two or more dimensions, in registration order: the stem
+            convolution and the classifier of a CNN), each only if it holds at most 5 % of the
+            trainable parameters. In a CNN these layers are tiny (0.06 % of ResNet-18 together)
+            and compression hurts them most (DGC and SOFF keep them dense too); in a small MLP the
+            first layer can be a large share of the model, and then it is compressed. ``"none"``:
+            no layer beyond the small ones. A list of ``fnmatch`` patterns of parameter names
+            (``["fc.*", "*.downsample.*"]``), which may contain ``"auto"``. A pattern that matches
+            no parameter is an error.
+        momentum: momentum correction (Lin et al. 2018, "Deep Gradient Compression"): each rank
+            keeps its own momentum buffer ``u <- momentum * u + g`` and the codec sends the
+            velocity, so what error feedback holds back is velocity, not raw gradient. Default 0
+            (off). When on, the optimizer must not add momentum again: use plain SGD
+            (``momentum=0``; the strategy refuses an optimizer with momentum). With a lossless
+            codec the training is exactly SGD with this momentum.
+        nesterov: with ``momentum``: send ``g + momentum * u`` (Nesterov), as ``torch.optim.SGD``.
+        weight_decay: with ``momentum``: add ``weight_decay * w`` to the gradient before the
+            momentum, as ``torch.optim.SGD`` does; set the optimizer's own to 0 then.
+        momentum_masking: with ``momentum``: zero the momentum buffer where this step sent the
+            velocity (DGC's momentum factor masking), so stale momentum does not push the sent
+            coordinates again. Default True; it applies to codecs that send a sparse subset
+            (``topk``, ``iwp``, ``lgc``) and is ignored by the others.
+        lr_scaled_feedback: with ``error_feedback``: keep the residual in units of the update
+            rather than of the gradient. When the learning rate changes from ``lr_then`` to
+            ``lr_now`` the residual is multiplied by ``lr_then / lr_now`` before it is added, so a
+            gradient held back while the rate decays is applied with the rate of the step that
+            computed it, as in the error feedback of the papers (Stich et al. 2018 and
+            Karimireddy et al. 2019 keep ``lr_t * g_t`` in the memory). The strategy reads the
+            rates from the optimizers before each backward; with ``make_comm_hook`` call
+            ``state.rescale_residuals({name: lr})`` before each backward. Default False (``lgc``:
+            True). A codec's default of True applies only when error feedback is on.
+    """
+
+    error_feedback: bool = False
+    min_numel: int = 1024
+    start_step: int = 2
+    dense_layers: tuple[str, ...] = ("auto",)
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    momentum_masking: bool = True
+    lr_scaled_feedback: bool = False
+
+    def check(self) -> None:
+        self._set("error_feedback", bool(self.error_feedback))
+        self._set("min_numel", check_positive_int("min_numel", self.min_numel, allow_zero=True))
+        self._set("start_step", check_positive_int("start_step", self.start_step, allow_zero=True))
+        self._set("dense_layers", check_dense_layers(self.dense_layers))
+        self._set("momentum", check_fraction("momentum", self.momentum, low_open=False, high_open=True))
+        self._set("weight_decay", check_positive_float("weight_decay", self.weight_decay, allow_zero=True))
+        if (self.nesterov or self.weight_decay) and not self.momentum:
+            raise ValueError("nesterov and weight_decay are part of momentum correction: set momentum > 0 too")
+        self._set("nesterov", bool(self.nesterov))
+        self._set("momentum_masking", bool(self.momentum_masking))
+        if self.lr_scaled_feedback and not self.error_feedback:
+            raise ValueError("lr_scaled_feedback rescales the error-feedback residual: it needs error_feedback=True")
+        self._set("lr_scaled_feedback", bool(self.lr_scaled_feedback))
+
+
+# --------------------------------------------------------------------------------------------------
+# the checks
+def check_fraction(name: str, value: float, *, low_open: bool = True, high_open: bool = False) -> float:
+    value = float(value)
+    ok_low = value > 0 if low_open else value >= 0
+    ok_high = value < 1 if high_open else value <= 1
+    if not (math.isfinite(value) and ok_low and ok_high):
+        lo = "(0" if low_open else "[0"
+        hi = "1)" if high_open else "1]"
+        raise ValueError(f"{name} must be in {lo}, {hi}, got {value}")
+    return value
+
+
+def check_positive_int(name: str, value: int, *, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else ">= 1"
+        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
+    return value
+
+
+def check_positive_float(
+    name: str, value: float, *, allow_zero: bool = False, allow_inf: bool = False, note: str = ""
+) -> float:
+    """A real number ``> 0`` (``>= 0`` with ``allow_zero``), finite unless ``allow_inf``, as a float.
+    ``note`` follows the bound in the message (what 0 means, the unit)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+    ok = ok and (value >= 0 if allow_zero else value > 0) and (allow_inf or math.isfinite(value))
+    if not ok:
+        finite = "" if allow_inf else "finite "
+        raise ValueError(f"{name} must be a {finite}number {'>=' if allow_zero else '>'} 0{note}, got {value!r}")
+    return float(value)
+
+
+def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def check_run_steps(name: str, value: int | float) -> int | float:
+    """A schedule length: an integer number of optimizer steps (>= 0), or a float in ``(0, 1)``,
+    a fraction of the run (see :func:`run_steps`)."""
+    if isinstance(value, float) and 0 < value < 1:
+        return value
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"{name} must be an integer >= 0 (steps) or a float in (0, 1) (a fraction of the run), got {value!r}"
+        )
+    return value
+
+
+def run_steps(value: int | float, total_steps: int | None, cap: int) -> int:
+    """Steps of a schedule given as steps (an int, returned as is) or as a fraction of the run (a
+    float): ``round(value * total_steps)``, at least 1 and at most ``cap`` (the paper's step count,
+    so that long runs do not stay uncompressed for thousands of steps). When the run's length is
+    unknown (plain DDP without Lightning, an open-ended run) a fraction resolves to ``cap``."""
+    if isinstance(value, int):
+        return value
+    if total_steps is None:
+        return cap
+    return max(1, min(cap, round(value * total_steps)))
+
+
+def check_dense_layers(value: str | Sequence[str]) -> tuple[str, ...]:
+    """The ``dense_layers`` option as a tuple of patterns (resolved by :mod:`lightning_gradcomp.hook.layers`)."""
+    items = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+    if items is None or not all(isinstance(v, str) and v for v in items):
+        raise ValueError(f"dense_layers must be 'auto', 'none' or a list of parameter-name patterns, got {value!r}")
+    return tuple(items)
