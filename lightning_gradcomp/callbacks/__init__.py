@@ -14,6 +14,7 @@ _LAZY = {
     "AutoencoderWarmup": "lightning_gradcomp.callbacks.ae_warmup",
     "CompressionReport": "lightning_gradcomp.callbacks.report",
     "AdaptiveCompression": "lightning_gradcomp.callbacks.adaptive",
+    "FrozenAdamVariance": "lightning_gradcomp.callbacks.adam_freeze",
 }
 
 #: codec name -> the callback that logs its schedule; ``CompressedDDPStrategy`` attaches it
