@@ -61,8 +61,10 @@ def round_trip(codec: Codec, x: Tensor, key: str, param: Tensor, step: int) -> t
         fut = codec.communicate_bucket(LayerBucket(grad, param), [(key, grad, param)], torch.zeros(1), rc)
         return None, fut.wait().reshape(-1)
     if isinstance(codec, MultiRound):
-        codec.prepare_bucket([(key, x, param)], rc)
-    enc = codec.encode(x, key, param, step)
+        prepared = codec.prepare_bucket([(key, x, param)], rc).per_layer.get(key)
+        enc = codec.encode(x, key, param, step, prepared=prepared)
+    else:
+        enc = codec.encode(x, key, param, step)
     payload = [p.clone() for p in enc.payload]
     if codec.collective_at(step) == "allreduce":
         return enc, codec.decode(payload, enc.ctx, x.numel(), 1)

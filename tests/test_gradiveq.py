@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gradcomp import make_comm_hook
 from lightning_gradcomp.codecs.base import CodecContext, RoundContext
-from lightning_gradcomp.codecs.gradiveq import GradiVeQCodec, fit_pca
+from lightning_gradcomp.codecs.gradiveq import GradiVeQCodec, _SharedScale, fit_pca
 from lightning_gradcomp.hook.encode import local_reconstruction
 from lightning_gradcomp.registry import make_codec
 
@@ -186,9 +186,8 @@ def test_packed_quantized_levels_sum_exactly_and_are_unbiased():
     scale = max(codec._coefficients(v, "w").abs().max() for v in xs)
     encs = []
     for r, v in enumerate(xs):
-        codec._scales["w"] = scale
         codec.context = CodecContext(r, world, torch.device("cpu"))
-        encs.append(codec.encode(v, "w", None, 10))
+        encs.append(codec.encode(v, "w", None, 10, prepared=_SharedScale(scale)))
     b, f = codec._field_bits()
     assert (b, f) == (5, 4)  # levels sum to [0, 28]: 5 bits, 4 fields per fp32 word
     assert encs[0].payload[0].numel() == -(-200 * 3 // f) + 1
@@ -202,8 +201,7 @@ def test_packed_quantized_levels_sum_exactly_and_are_unbiased():
     exact = codec._coefficients(xs[0], "w").reshape(-1)
     draws = []
     for step in range(200):
-        codec._scales["w"] = scale
-        coef = codec.encode(xs[0], "w", None, step).payload[0]
+        coef = codec.encode(xs[0], "w", None, step, prepared=_SharedScale(scale)).payload[0]
         draws.append(codec._dequantize(coef, exact.numel(), 1))
     err_mean = (torch.stack(draws).mean(0) - exact).abs().max()
     err_one = (draws[0] - exact).abs().max()
@@ -285,9 +283,12 @@ def ddp_run(rank: int, world: int, steps: int, **opts):
             for n, v in mine.items():
                 if v.numel() < codec.harness.min_numel:
                     continue
+                prepared = None
                 if codec.options.quant_levels:  # the same shared scale as the hook's
-                    codec.prepare_bucket([(n, v, None)], RoundContext(step, codec.context))
-                decoded[n] = local_reconstruction(codec, codec.encode(v, n, None, step), v.numel())
+                    rc = RoundContext(step, codec.context)
+                    prepared = codec.prepare_bucket([(n, v, None)], rc).per_layer.get(n)
+                enc = codec.encode(v, n, None, step, prepared=prepared)
+                decoded[n] = local_reconstruction(codec, enc, v.numel())
                 parts = [torch.zeros_like(v) for _ in range(world)]
                 dist.all_gather(parts, decoded[n])
                 decoded[n] = sum(parts) / world

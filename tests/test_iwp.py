@@ -147,8 +147,8 @@ class RecordingIWP(IWPCodec):
         super().__init__(**kw)
         self.log: list[dict] = []
 
-    def encode(self, x, key, param, step):
-        enc = super().encode(x, key, param, step)
+    def encode(self, x, key, param, step, prepared=None):
+        enc = super().encode(x, key, param, step, prepared=prepared)
         self.log.append({"step": step, "key": key, "x": x.clone(), "idx": enc.ctx.clone(), "root": self.last_root})
         return enc
 

@@ -43,6 +43,7 @@ from lightning_gradcomp.codecs.extensions import (  # noqa: F401
     AdjustableLevel,
     LearnedState,
     MultiRound,
+    Prepared,
     geometric_level,
 )
 from lightning_gradcomp.codecs.options import (  # noqa: F401
@@ -63,6 +64,7 @@ __all__ = [
     "HarnessOptions",
     "LearnedState",
     "MultiRound",
+    "Prepared",
     "AdjustableCompression",
     "AdjustableLevel",
     "geometric_level",
@@ -223,7 +225,9 @@ class Codec:
     # what a codec writes
     def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
         """Compress one layer. ``x`` is flat fp32 (the gradient plus the residual); ``key`` names
-        the parameter ``param``; ``step`` is the optimizer step."""
+        the parameter ``param``; ``step`` is the optimizer step. A :class:`MultiRound` codec's
+        ``encode`` also takes ``prepared``, the layer's entry of what its ``prepare_bucket``
+        returned (:class:`Prepared`)."""
         raise NotImplementedError
 
     def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:

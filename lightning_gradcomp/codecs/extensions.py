@@ -11,7 +11,8 @@ All are re-exported by :mod:`lightning_gradcomp.codecs.base`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol, runtime_checkable
 
 from torch import Tensor
 
@@ -20,7 +21,7 @@ from lightning_gradcomp.codecs.options import check_fraction
 if TYPE_CHECKING:
     from lightning_gradcomp.codecs.base import RoundContext
 
-__all__ = ["LearnedState", "MultiRound", "AdjustableCompression", "AdjustableLevel", "geometric_level"]
+__all__ = ["LearnedState", "MultiRound", "Prepared", "AdjustableCompression", "AdjustableLevel", "geometric_level"]
 
 
 class LearnedState:
@@ -57,22 +58,42 @@ class LearnedState:
             raise ValueError(f"codec {self.name!r} keeps no per-rank state but was given {sorted(state)}")
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What :meth:`MultiRound.prepare_bucket` returns for one bucket.
+
+    Attributes:
+        nbytes: the bytes this rank sent in the codec's own rounds (counted in the statistics).
+        per_layer: what ``encode`` needs of those rounds, by layer key (a shared support, a shared
+            scale); the hook passes ``per_layer.get(key)`` to ``encode`` as ``prepared``. It lives
+            for this bucket only: nothing is kept on the codec between the two calls.
+    """
+
+    nbytes: int = 0
+    per_layer: Mapping[str, Any] = field(default_factory=dict)
+
+
 class MultiRound:
     """Extension: a codec that runs collectives of its own for a bucket, in the hook body.
 
     :meth:`prepare_bucket` runs before the layers of a bucket are encoded (a broadcast of one
-    rank's index set); a codec whose :attr:`~Codec.collective` is ``"custom"`` runs the whole
-    exchange in :meth:`communicate_bucket`. Both get a :class:`RoundContext`, never the hook's state.
+    rank's index set) and returns a :class:`Prepared`: the bytes it sent and each layer's context.
+    The hook then calls the codec's ``encode(x, key, param, step, prepared=...)`` with that layer's
+    entry (``None`` where there is none), so a ``MultiRound`` codec's ``encode`` takes the
+    keyword ``prepared`` (single-round codecs keep ``encode(x, key, param, step)``). A codec whose
+    :attr:`~Codec.collective` is ``"custom"`` runs the whole exchange in
+    :meth:`communicate_bucket` instead. Both get a :class:`RoundContext`, never the hook's state.
     """
 
     #: codec state is keyed by DDP bucket index: the hook sends plain all-reduce until DDP has
     #: rebuilt its buckets in the layout the state was made for (a resumed run)
     bucket_keyed_state: ClassVar[bool] = False
 
-    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], rc: RoundContext) -> int:
+    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], rc: RoundContext) -> Prepared:
         """``(key, input, param)`` of each compressed layer of the bucket. It may run blocking
-        collectives through ``rc.comm``. Returns the bytes this rank sent."""
-        return 0
+        collectives through ``rc.comm``. Returns the bytes this rank sent and, per layer key, what
+        ``encode`` gets as ``prepared``."""
+        return Prepared()
 
     def communicate_bucket(self, bucket: Any, layers: list, flag: Tensor, rc: RoundContext) -> Any:
         """``custom`` codecs: run the whole protocol for a ``torch.distributed.GradBucket`` and

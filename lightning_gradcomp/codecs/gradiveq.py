@@ -74,7 +74,7 @@ import functools
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -86,6 +86,7 @@ from lightning_gradcomp.codecs.base import (
     CodecOptions,
     EncodeResult,
     MultiRound,
+    Prepared,
     RoundContext,
     check_choice,
     check_fraction,
@@ -107,6 +108,20 @@ _SHARED = "__shared__"
 _EXACT_BITS = 24  # fp32 holds every integer below 2**24 exactly
 WARMUP_CAP = 100  # a warm-up given as a fraction of the run is at most this many steps
 LIGHT_COMPONENTS_FACTOR = 4  # components at compression level 0, as a multiple of the configured k
+
+
+class _SharedScale(NamedTuple):
+    """What :meth:`GradiVeQCodec.prepare_bucket` hands to ``encode`` for one layer (quantization)."""
+
+    scale: Tensor  # max |c| over every rank, a 0-d tensor
+    coefficients: Tensor | None = None  # this rank's coefficients, computed for the scale (reused)
+
+
+class _LayerContext(NamedTuple):
+    """A layer's decode context."""
+
+    basis_key: str  # the key of the basis (the layer's, or the shared one)
+    slices: int  # slices of slice_dim values; the rest, the tail, travels raw
 
 
 def fit_pca(x: Tensor, k: int | None, explained_variance: float | None, center: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -296,8 +311,6 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
         # sample buffers of the current window (not checkpointed: a resumed window refits on fewer)
         self._samples: dict[str, list[Tensor]] = {}
         self._sample_lock = threading.Lock()
-        self._scales: dict[str, Tensor] = {}
-        self._coef_cache: dict[str, tuple[int, Tensor]] = {}
 
     # picklable (spawned ranks, checkpoints of the strategy): the lock is recreated
     def __getstate__(self) -> dict[str, Any]:
@@ -544,52 +557,55 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
         self._last_fit_step = int(step)
         return msg.numel() * msg.element_size() if world > 1 else 0
 
-    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], rc: RoundContext) -> int:
+    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], rc: RoundContext) -> Prepared:
         """``"leader"`` source: the bases of this step first (a broadcast, see
         :meth:`_refit_from_leader`). With quantization: one all-reduce(MAX) of ``max |c|`` per
-        layer gives the shared scales."""
+        layer gives the shared scales, which ``encode`` gets as ``prepared``."""
         step = rc.step
         self._current_step = max(self._current_step, step)
         sent = self._refit_from_leader(layers, step) if self.options.basis_source == "leader" else 0
         if not self.options.quant_levels:
-            return sent
-        keys, amax = [], []
+            return Prepared(sent)
+        keys, coefs, amax = [], [], []
         for key, x, _ in layers:
             bkey = self._basis_key(key)
             if bkey is None:
                 continue
             c = self._coefficients(x, bkey)
-            self._coef_cache[key] = (x.data_ptr(), c)
             keys.append(key)
+            coefs.append(c)
             amax.append(c.abs().max() if c.numel() else c.new_zeros(()))
         if not keys:
-            return sent
+            return Prepared(sent)
         vec = torch.stack(amax).to(torch.float32)
         if self.world_size > 1:
             self.context.all_reduce(vec, "max")
-        for key, a in zip(keys, vec):
-            self._scales[key] = a
-        return sent + vec.numel() * vec.element_size()
+        shared = {key: _SharedScale(a, c) for key, a, c in zip(keys, vec, coefs)}
+        return Prepared(sent + vec.numel() * vec.element_size(), shared)
 
-    def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
+    def encode(
+        self, x: Tensor, key: str, param: Tensor, step: int, prepared: _SharedScale | None = None
+    ) -> EncodeResult:
+        """``prepared``: the layer's shared scale (and coefficients) from :meth:`prepare_bucket`,
+        which quantization needs."""
         bkey = self._basis_key(key)
         if bkey is None:  # no basis for this layer (never observed): it travels raw, still summable
             return EncodeResult([x.clone()], local=x.clone(), ctx=None)
         d = self.options.slice_dim
         s = x.numel() // d
         tail = x[s * d :].clone()
-        cached = self._coef_cache.pop(key, None)
-        c = cached[1] if cached is not None and cached[0] == x.data_ptr() else self._coefficients(x, bkey)
+        c = None if prepared is None else prepared.coefficients
+        if c is None:
+            c = self._coefficients(x, bkey)
         if self.options.quant_levels:
-            scale = self._scales.pop(key, None)
-            if scale is None:
+            if prepared is None:
                 raise RuntimeError("gradiveq: quantized encode without a shared scale (prepare_bucket did not run)")
             gen = seeded_generator(self.options.seed, self.rank, step, key, x.device)
-            coef = self._quantize(c, scale, gen)
+            coef = self._quantize(c, prepared.scale, gen)
         else:
             coef = c.reshape(-1)
         # local stays None: the hook decodes it only when error feedback or a statistics sample needs it
-        return EncodeResult([coef, tail], ctx=(bkey, s))
+        return EncodeResult([coef, tail], ctx=_LayerContext(bkey, s))
 
     def _quantize(self, c: Tensor, scale: Tensor, gen: torch.Generator) -> Tensor:
         s = self.options.quant_levels
@@ -624,7 +640,7 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
     def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
         if ctx is None:
             return payload[0].to(torch.float32)
-        bkey, s = ctx
+        bkey, s = ctx.basis_key, ctx.slices
         coef, tail = payload
         k = self._u32[bkey].shape[1]
         c = self._dequantize(coef, s * k, count) if self.options.quant_levels else coef.to(torch.float32)

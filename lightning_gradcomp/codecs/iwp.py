@@ -40,6 +40,7 @@ from lightning_gradcomp.codecs.base import (
     DensityWarmup,
     EncodeResult,
     MultiRound,
+    Prepared,
     RoundContext,
     check_choice,
     check_density_warmup,
@@ -187,7 +188,6 @@ class IWPCodec(AdjustableLevel, MultiRound, Codec):
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        self._plan: dict[str, Tensor] = {}  # key -> this step's positions in the layer
         self._generator: torch.Generator | None = None
         #: introspection of the last bucket: root rank, encodings used and bytes broadcast
         self.last_root = -1
@@ -219,10 +219,11 @@ class IWPCodec(AdjustableLevel, MultiRound, Codec):
             self._generator.manual_seed(_splitmix64(self.options.seed ^ (0x5EED << 20) ^ self.rank) & ((1 << 63) - 1))
         return select_top(s, k, self.options.sample_fraction, self._generator)
 
-    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], rc: RoundContext) -> int:
+    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], rc: RoundContext) -> Prepared:
         """Pick this bucket's positions on the root, broadcast them, and plan every layer's payload.
 
-        Returns the bytes of the broadcast message (the code of every selection group).
+        Returns the bytes of the broadcast message (the code of every selection group) and each
+        layer's positions, which ``encode`` gets as ``prepared``.
         """
         step, world = rc.step, rc.comm.world_size
         root = root_rank(step, world, self.options.root, self.options.seed)
@@ -233,6 +234,7 @@ class IWPCodec(AdjustableLevel, MultiRound, Codec):
         nbytes = [encoded_nbytes(e, k, n) for e, k, n in zip(encs, ks, sizes)]
         device = layers[0][1].device
         positions: list[Tensor | None] = [None] * len(groups)
+        plan: dict[str, Tensor] = {}  # key -> this step's positions in the layer
         if self.rank == root:
             positions = [self._select(g, k) for g, k in zip(groups, ks)]
         total = sum(nbytes)
@@ -262,17 +264,18 @@ class IWPCodec(AdjustableLevel, MultiRound, Codec):
                 bounds = torch.tensor(starts, dtype=pos.dtype).to(device)
                 cuts = torch.searchsorted(pos, bounds).tolist()
             for j, (key, x, _) in enumerate(g):
-                self._plan[key] = pos[cuts[j] : cuts[j + 1]] - starts[j]
+                plan[key] = pos[cuts[j] : cuts[j + 1]] - starts[j]
         self.last_root, self.last_encodings, self.last_index_bytes = root, encs, total
-        return total if world > 1 else 0
+        return Prepared(total if world > 1 else 0, plan)
 
-    def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
-        idx = self._plan.pop(key, None)
+    def encode(self, x: Tensor, key: str, param: Tensor, step: int, prepared: Tensor | None = None) -> EncodeResult:
+        """``prepared``: the layer's positions, from :meth:`prepare_bucket`."""
+        idx = prepared
         if idx is None:  # called outside the hook (single process): plan this layer alone
             if self.world_size > 1:
                 raise RuntimeError("iwp.encode needs prepare_bucket first when running distributed")
-            self.prepare_bucket([(key, x, param)], RoundContext(step, CodecContext(0, 1, x.device)))
-            idx = self._plan.pop(key)
+            rc = RoundContext(step, CodecContext(0, 1, x.device))
+            idx = self.prepare_bucket([(key, x, param)], rc).per_layer[key]
         values = x[idx]
         local = torch.zeros_like(x)
         local[idx] = values

@@ -71,6 +71,7 @@ from lightning_gradcomp.codecs.base import (
     EncodeResult,
     HarnessOptions,
     MultiRound,
+    Prepared,
     RoundContext,
     check_choice,
     check_fraction,
@@ -251,7 +252,6 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         self._levels: dict[str, Tensor] = {}  # "levels": each layer's magnitude levels
         self._samples: list[tuple[str, int, int, int, Tensor]] = []  # key, step, leader, numel, (N, K) values
         self._samples_lock = threading.Lock()
-        self._shared: dict[str, _Shared] = {}  # prepare_bucket -> encode, per layer
         self.last_timing: dict[str, float] = {}
         self._ae_layers_used = (0, 0)  # of the last step: layers the AE carried, layers it may carry
         self._values_used = (0, 0, 0)  # of the last step: values the code carried, support values, their code's bytes
@@ -361,7 +361,9 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         g = torch.Generator(device="cpu").manual_seed(self.options.seed * 1_000_003 + step)
         return select_top(x.abs(), k, 0.01 if self.options.selection == "sampled" else 0.0, g)
 
-    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], rc: RoundContext) -> int:
+    def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], rc: RoundContext) -> Prepared:
+        """The leader's support (and, in stage 3, its scales, flags and latents), broadcast once
+        for the bucket; each layer's :class:`_Shared` is what ``encode`` gets as ``prepared``."""
         t0 = time.perf_counter()
         step = rc.step
         stage = self.stage(step)
@@ -432,6 +434,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         flag_values = flag_bytes.view(torch.float32).tolist() if n_flags else []
         latents = msg[4 * (n_scales + n_flags) : 4 * (n_scales + n_flags + n_lat)].view(torch.float32)
         off_b, off_f, off_z = 4 * (n_scales + n_flags + n_lat), 0, 0
+        shared: dict[str, _Shared] = {}
         if step != self._ae_count_step:  # counted over the buckets of one step
             self._ae_layers_used, self._values_used, self._ae_count_step = (0, 0), (0, 0, 0), step
         for i, ((key, _, _), k, a, nl, e, b, n) in enumerate(
@@ -456,9 +459,9 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
             if coded:
                 carried, code_bytes_sent = carried + k, code_bytes_sent + self._code_nbytes(k, n)
             self._values_used = (carried, support + k, code_bytes_sent)
-            self._shared[key] = _Shared(idx, s, z, coded, own_codes[i])
+            shared[key] = _Shared(idx, s, z, coded, own_codes[i])
         self.last_timing["prepare_s"] = time.perf_counter() - t0
-        return nbytes
+        return Prepared(nbytes, shared)
 
     def _code_nbytes(self, k: int, numel: int) -> int:
         """Bytes a rank sends for a layer of ``k`` support values that the learned code carries."""
@@ -489,8 +492,11 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
 
     # ----------------------------------------------------------------------------------------------
     # encode / decode
-    def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
-        idx, s, z_lead, coded, own_code = self._shared.pop(key)
+    def encode(self, x: Tensor, key: str, param: Tensor, step: int, prepared: _Shared | None = None) -> EncodeResult:
+        """``prepared``: the layer's :class:`_Shared`, from :meth:`prepare_bucket` (required)."""
+        if prepared is None:
+            raise RuntimeError(f"lgc.encode of {key!r} needs the layer's context from prepare_bucket")
+        idx, s, z_lead, coded, own_code = prepared
         v = x[idx]
         local = torch.zeros_like(x)
         k = idx.numel()

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.codecs.base import Codec, EncodeResult, MultiRound
+from lightning_gradcomp.codecs.base import Codec, EncodeResult, MultiRound, Prepared
 from lightning_gradcomp.comm import wire_bytes
 from lightning_gradcomp.timing import Span, clock_for
 
@@ -102,11 +102,18 @@ def encode_layers(state, buf: Tensor, layers: list, step: int) -> Encoded:
                 g.copy_(x.view_as(g))
             out.dense_grads.append(g)
     masking = h.momentum and h.momentum_masking and codec.sparse_local
+    per_layer = None  # a MultiRound codec's contexts from its own rounds, handed to encode
     if out.inputs and isinstance(codec, MultiRound):
         rc = state.round_context(step, out.keys, out.all_keys)
-        out.extra_bytes = codec.prepare_bucket([(k, x, p) for (k, _, x), p in zip(out.inputs, params)], rc)
+        prepared = codec.prepare_bucket([(k, x, p) for (k, _, x), p in zip(out.inputs, params)], rc)
+        if not isinstance(prepared, Prepared):
+            raise TypeError(f"codec {codec.name!r}: prepare_bucket must return a Prepared, not {prepared!r}")
+        out.extra_bytes, per_layer = prepared.nbytes, prepared.per_layer
     for (k, _, x), p in zip(out.inputs, params):
-        enc = codec.encode(x, k, p, step)
+        if per_layer is None:
+            enc = codec.encode(x, k, p, step)
+        else:
+            enc = codec.encode(x, k, p, step, prepared=per_layer.get(k))
         out.encoded.append(enc)
         if h.error_feedback or sample or masking:
             local = local_reconstruction(codec, enc, x.numel())
