@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.codecs.base import Codec
-from lightning_gradcomp.hook import CodecHookState, check_codec_consistency, codec_hook, make_context
+from lightning_gradcomp.hook import CodecHookState, codec_hook
 from lightning_gradcomp.registry import resolve_codec
 
 __all__ = ["make_comm_hook"]
@@ -55,23 +55,11 @@ def make_comm_hook(
         >>> state, hook = make_comm_hook("topk", ddp, ratio=0.01)
         >>> ddp.register_comm_hook(state, hook)
     """
-    codec_obj = resolve_codec(codec, codec_options or None)
-    codec_obj.fit_to_run(total_steps)
-    names: dict[int, str] = {}
-    device = torch.device("cpu")
-    if model is not None:
-        module = model.module if isinstance(model, DistributedDataParallel) else model
-        names = {id(p): n for n, p in module.named_parameters()}
-        codec_obj.plan_layers(module.named_parameters())
-        first = next(module.parameters(), None)
-        if first is not None:
-            device = first.device
-    check_codec_consistency(codec_obj, process_group)
-    codec_obj.setup(make_context(process_group, device))
-    state = CodecHookState(
-        codec_obj,
+    state = CodecHookState.for_model(
+        resolve_codec(codec, codec_options or None),
+        model.module if isinstance(model, DistributedDataParallel) else model,
         process_group=process_group,
-        param_names=names,
+        total_steps=total_steps,
         static_graph=static_graph,
         stats_every=stats_every,
         nonfinite=nonfinite,

@@ -14,12 +14,14 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field, fields
+from typing import Any, Callable
 
 import torch
 
+from lightning_gradcomp.comm import wire_bytes
 from lightning_gradcomp.timing import Span, resolve
 
-__all__ = ["StepStats", "StatsAccumulator"]
+__all__ = ["StepStats", "StatsAccumulator", "record_bucket"]
 
 
 @dataclass
@@ -133,3 +135,31 @@ class StatsAccumulator:
                 continue
             setattr(self.totals, f.name, getattr(self.totals, f.name) + getattr(cur, f.name))
         return cur
+
+
+def record_bucket(
+    add: Callable[..., None],
+    buf: torch.Tensor,
+    world: int,
+    collective: str,
+    nbytes: int,
+    *,
+    extra_bytes: int = 0,
+    compressed: bool = True,
+    **more: Any,
+) -> None:
+    """Record one bucket through ``add`` (:meth:`StatsAccumulator.add`, or a
+    :class:`~lightning_gradcomp.codecs.base.RoundContext`'s ``record``), on every path: the bucket
+    as DDP handed it over (``buf``), the ``nbytes`` this rank handed to ``collective``, the
+    ``extra_bytes`` it broadcast in a codec's own rounds, and what a plain all-reduce of ``buf``
+    would have sent; ``more`` adds timings and error sums (``encode_s``, ``comm_s``, ``err_sq``...)."""
+    raw = buf.numel() * buf.element_size()
+    add(
+        buckets=1,
+        compressed=compressed,
+        raw_bytes=raw,
+        payload_bytes=nbytes + extra_bytes,
+        wire_bytes=wire_bytes(collective, nbytes, world) + wire_bytes("broadcast", extra_bytes, world),
+        raw_wire_bytes=wire_bytes("allreduce", raw, world),
+        **more,
+    )

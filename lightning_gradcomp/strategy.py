@@ -21,10 +21,8 @@ from lightning_gradcomp.comm import gather_rank_states
 from lightning_gradcomp.hook import (
     NONFINITE_POLICIES,
     CodecHookState,
-    check_codec_consistency,
     codec_hook,
     group_device,
-    make_context,
 )
 from lightning_gradcomp.registry import resolve_codec  # it lived here: this import path still works
 
@@ -214,31 +212,21 @@ class CompressedDDPStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # Lightning's DDPStrategy registers hooks only when the device is CUDA; we always do.
         assert isinstance(self.model, DistributedDataParallel)
-        group = None  # the default (WORLD) group; resolved inside the hook so the state pickles
-        # schedules given as a fraction of the run (warm-ups) resolve against Lightning's estimate
-        # of the run's optimizer steps, identical on every rank, before the ranks compare options
-        self.codec.fit_to_run(self._estimated_total_steps())
-        self.codec.plan_layers(self.model.module.named_parameters())
-        check_codec_consistency(self.codec, group)
-        self.codec.setup(make_context(group, self.root_device))
-        names = {id(p): n for n, p in self.model.module.named_parameters()}
-        previous = self.hook_state
-        state = CodecHookState(
+        state = CodecHookState.for_model(
             self.codec,
-            process_group=group,
-            param_names=names,
+            self.model.module,
+            process_group=None,  # the default (WORLD) group; resolved inside the hook so the state pickles
+            device=self.root_device,
+            # schedules given as a fraction of the run (warm-ups) resolve against Lightning's estimate
+            # of the run's optimizer steps, identical on every rank, before the ranks compare options
+            total_steps=self._estimated_total_steps(),
             static_graph=bool(self._ddp_kwargs.get("static_graph", False)),
             stats_every=self.stats_every,
             nonfinite=self.nonfinite,
             fallback=self.fallback,
         )
-        if previous is not None:  # a second fit() in the same process continues where it stopped
-            state.step = previous.step
-            state.memory = previous.memory
-            state.momentum_buffers = previous.momentum_buffers
-            state.residual_lr = previous.residual_lr
-            state.nonfinite_steps = previous.nonfinite_steps
-            state.stats.totals = previous.stats.totals
+        if self.hook_state is not None:  # a second fit() in the same process
+            state.continue_from(self.hook_state)
         if self._pending_checkpoint is not None:
             self._apply_checkpoint(state, self._pending_checkpoint)
             self._pending_checkpoint = None

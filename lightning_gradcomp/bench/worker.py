@@ -50,7 +50,7 @@ from torch import Tensor
 
 from lightning_gradcomp.callbacks.monitor import CompressionMonitor
 from lightning_gradcomp.codecs.base import Codec, MultiRound, RoundContext
-from lightning_gradcomp.comm import completed_future, wire_bytes
+from lightning_gradcomp.comm import completed_future
 
 __all__ = ["NoCommCodec", "main", "summarize"]
 
@@ -68,15 +68,7 @@ class NoCommCodec(MultiRound, Codec):
 
     def communicate_bucket(self, bucket: Any, layers: list, flag: Tensor, rc: RoundContext) -> Any:
         buf = bucket.buffer()
-        raw = buf.numel() * buf.element_size()
-        rc.record(
-            buckets=1,
-            compressed=True,
-            raw_bytes=raw,
-            payload_bytes=0,
-            wire_bytes=0.0,
-            raw_wire_bytes=wire_bytes("allreduce", raw, rc.comm.world_size),
-        )
+        rc.record_bucket(buf, "allreduce", 0)  # nothing travels
         return completed_future(buf)
 
 

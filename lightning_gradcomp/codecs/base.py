@@ -131,8 +131,9 @@ class RoundContext:
         step: the optimizer step (0-based).
         comm: the codec's :class:`CodecContext` (its group, device and collectives).
         sample: whether this step samples the error statistics (they cost a local decode).
-        record: the statistics sink, ``record(buckets=1, payload_bytes=..., ...)``; the names are
-            those of :class:`~lightning_gradcomp.stats.StatsAccumulator`.
+        record: the statistics sink, ``record(err_sq=..., ...)``; the names are those of
+            :class:`~lightning_gradcomp.stats.StepStats`. A ``custom`` codec records its bucket
+            with :meth:`record_bucket`.
         discard: ``discard(buf)`` zeroes the bucket, drops this step's staged residuals and asks for
             the step to be skipped (a non-finite gradient on some rank); it returns ``buf``.
     """
@@ -142,6 +143,13 @@ class RoundContext:
     sample: bool = False
     record: Callable[..., None] = lambda **stats: None
     discard: Callable[[Tensor], Tensor] = lambda buf: buf.zero_()
+
+    def record_bucket(self, buf: Tensor, collective: str, nbytes: int, **more: Any) -> None:
+        """Record the bucket ``buf`` as every path does (:func:`lightning_gradcomp.stats.record_bucket`):
+        ``nbytes`` handed to ``collective``; ``more``: timings and error sums."""
+        from lightning_gradcomp.stats import record_bucket
+
+        record_bucket(self.record, buf, self.comm.world_size, collective, nbytes, **more)
 
 
 @dataclass

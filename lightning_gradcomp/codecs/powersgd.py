@@ -47,7 +47,7 @@ from lightning_gradcomp.codecs.base import (
     check_positive_int,
     geometric_level,
 )
-from lightning_gradcomp.comm import completed_future, wire_bytes
+from lightning_gradcomp.comm import completed_future
 from lightning_gradcomp.registry import register_codec
 from lightning_gradcomp.timing import Span, clock_for
 
@@ -169,7 +169,6 @@ class PowerSGDCodec(AdjustableLevel, MultiRound, Codec):
     def communicate_bucket(self, bucket: Any, layers: list, flag: Tensor, rc: RoundContext) -> Any:
         assert self._torch_state is not None, "PowerSGDCodec.setup() was not called"
         buf = bucket.buffer()
-        world = rc.comm.world_size
         clock = clock_for(buf.device)
         t0 = clock.mark()
         flag_t = rc.comm.all_reduce(flag.to(device=buf.device, dtype=torch.float32).reshape(1).clone())
@@ -186,16 +185,7 @@ class PowerSGDCodec(AdjustableLevel, MultiRound, Codec):
         if dist.get_backend(rc.comm.group) == "gloo":
             fut.wait()  # see the module docstring: never two waiting callbacks at once on gloo
         nbytes = self.payload_elements(bucket) * 4
-        raw = buf.numel() * buf.element_size()
-        rc.record(
-            buckets=1,
-            compressed=True,
-            raw_bytes=raw,
-            payload_bytes=nbytes + 4,
-            wire_bytes=wire_bytes("allreduce", nbytes + 4, world),
-            raw_wire_bytes=wire_bytes("allreduce", raw, world),
-            comm_s=Span(clock, t0, clock.mark()),
-        )
+        rc.record_bucket(buf, "allreduce", nbytes + 4, comm_s=Span(clock, t0, clock.mark()))
 
         def finish(f: torch.futures.Future) -> Tensor:
             out = f.value()

@@ -26,7 +26,7 @@ def send(state, buf: Tensor, enc: Encoded, flag: Tensor, step: int) -> torch.fut
         rows = [unpack(r, layout) for r in state.received(fut, step)]
         # host sync 1 of 2: every rank's flag, before any decode sees a non-finite payload
         if bool(torch.stack([r[-1][0] for r in rows]).sum() > 0):
-            return state.discard(buf, enc.keys, enc.all_keys)
+            return enc.settle(state, buf, keep=False)
         off = 0
         for (_, g, x), e in zip(enc.inputs, enc.encoded):
             m = len(e.payload)
@@ -38,10 +38,8 @@ def send(state, buf: Tensor, enc: Encoded, flag: Tensor, step: int) -> torch.fut
         # host sync 2 of 2: an overflow in decoding; decoded from identical rows, so the verdict
         # is the same everywhere
         if not bool(torch.isfinite(buf).all()):
-            return state.discard(buf, enc.keys, enc.all_keys)
-        state.memory.commit(enc.keys)
-        state.momentum_buffers.commit(enc.all_keys)
+            return enc.settle(state, buf, keep=False)
         state.stats.add(decode_s=Span(enc.clock, t2, enc.clock.mark()))
-        return buf
+        return enc.settle(state, buf, keep=True)
 
     return fut.then(finish)

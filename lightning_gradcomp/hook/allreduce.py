@@ -29,7 +29,7 @@ def send(state, buf: Tensor, enc: Encoded, flag: Tensor, step: int) -> torch.fut
         # also catches an overflow of a narrow wire format (fp16 beyond 65504). The bucket's one
         # host sync: keeping or discarding it is decided on the host.
         if bool((t[-1] > 0).logical_or(torch.isfinite(t).all().logical_not())):
-            return state.discard(buf, enc.keys, enc.all_keys)
+            return enc.settle(state, buf, keep=False)
         off = 0
         for (_, g, x), e in zip(enc.inputs, enc.encoded):
             summed = []
@@ -38,9 +38,7 @@ def send(state, buf: Tensor, enc: Encoded, flag: Tensor, step: int) -> torch.fut
                 off += part.numel()
             g.copy_(codec.decode(summed, e.ctx, x.numel(), world).div_(world).view_as(g))
         enc.write_dense(t[off : off + enc.dense.numel()].float())
-        state.memory.commit(enc.keys)
-        state.momentum_buffers.commit(enc.all_keys)
         state.stats.add(decode_s=Span(enc.clock, t2, enc.clock.mark()))
-        return buf
+        return enc.settle(state, buf, keep=True)
 
     return fut.then(finish)

@@ -8,8 +8,9 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.codecs.base import LearnedState
-from lightning_gradcomp.comm import allreduce_async, wire_bytes
+from lightning_gradcomp.comm import allreduce_async
 from lightning_gradcomp.hook.encode import velocity
+from lightning_gradcomp.stats import record_bucket
 from lightning_gradcomp.timing import Span, clock_for
 
 __all__ = ["send"]
@@ -31,15 +32,7 @@ def send(state, buf: Tensor, layers: list, flag: Tensor, step: int) -> torch.fut
     msg = torch.empty(n + 1, dtype=buf.dtype, device=buf.device)
     torch.div(buf.reshape(-1), world, out=msg[:n])
     msg[n:] = flag
-    nbytes = msg.numel() * msg.element_size()
-    raw = buf.numel() * buf.element_size()
-    state.stats.add(
-        buckets=1,
-        raw_bytes=raw,
-        payload_bytes=nbytes,
-        wire_bytes=wire_bytes("allreduce", nbytes, world),
-        raw_wire_bytes=wire_bytes("allreduce", raw, world),
-    )
+    record_bucket(state.stats.add, buf, world, "allreduce", msg.numel() * msg.element_size(), compressed=False)
     clock = clock_for(buf.device)
     launched = clock.mark()
     observe = [(k, g) for k, g, p in layers if codec.should_compress(k, p)] if isinstance(codec, LearnedState) else []
@@ -49,11 +42,9 @@ def send(state, buf: Tensor, layers: list, flag: Tensor, step: int) -> torch.fut
         state.stats.add(comm_s=Span(clock, launched, clock.mark()))
         # the one host sync of the bucket: whether to keep it is decided on the host
         if float(t[n]) > 0:
-            return state.discard(buf, flushed, all_keys)
+            return state.settle(buf, False, flushed, all_keys)
         buf.copy_(t[:n].view_as(buf))
-        state.momentum_buffers.commit(all_keys)
-        if flushed:
-            memory.drop(flushed)
+        state.settle(buf, True, flushed, all_keys, flushed=True)
         for k, g in observe:
             codec.observe_dense(k, g.reshape(-1), step)
         return buf

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.codecs.base import Codec, EncodeResult, MultiRound, Prepared
-from lightning_gradcomp.comm import wire_bytes
+from lightning_gradcomp.stats import record_bucket
 from lightning_gradcomp.timing import Span, clock_for
 
 __all__ = ["Encoded", "encode_layers", "velocity", "local_reconstruction"]
@@ -48,18 +48,21 @@ class Encoded:
 
     def record(self, state, buf: Tensor, collective: str, nbytes: int) -> None:
         """The bucket's statistics once its ``nbytes`` payload is launched on ``collective``."""
-        world, raw = state.world_size, buf.numel() * buf.element_size()
-        state.stats.add(
-            buckets=1,
-            compressed=True,
-            raw_bytes=raw,
-            payload_bytes=nbytes + self.extra_bytes,
-            wire_bytes=wire_bytes(collective, nbytes, world) + wire_bytes("broadcast", self.extra_bytes, world),
-            raw_wire_bytes=wire_bytes("allreduce", raw, world),
+        record_bucket(
+            state.stats.add,
+            buf,
+            state.world_size,
+            collective,
+            nbytes,
+            extra_bytes=self.extra_bytes,
             encode_s=Span(self.clock, self.t0, self.t1),
             err_sq=self.err_sq,
             ref_sq=self.ref_sq,
         )
+
+    def settle(self, state, buf: Tensor, keep: bool) -> Tensor:
+        """Keep the bucket (commit what it staged) or discard it: :meth:`CodecHookState.settle`."""
+        return state.settle(buf, keep, self.keys, self.all_keys)
 
 
 def velocity(state, key: str, g: Tensor, param: Tensor) -> Tensor:

@@ -11,7 +11,7 @@ from torch import Tensor
 from lightning_gradcomp.codecs.base import Codec, LearnedState, RoundContext
 from lightning_gradcomp.fallback import FallbackPolicy
 from lightning_gradcomp.hook import allgather, allreduce, custom, dense
-from lightning_gradcomp.hook.consistency import group_device
+from lightning_gradcomp.hook.consistency import check_codec_consistency, group_device, make_context
 from lightning_gradcomp.hook.encode import encode_layers
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.stats import StatsAccumulator
@@ -91,6 +91,49 @@ class CodecHookState:
         self._step_end_pending = False
         self._lock = threading.Lock()
         self._anon_keys: dict[int, str] = {}
+
+    @classmethod
+    def for_model(
+        cls,
+        codec: Codec,
+        module: "torch.nn.Module | None",
+        *,
+        process_group: "dist.ProcessGroup | None" = None,
+        device: "torch.device | None" = None,
+        total_steps: "int | None" = None,
+        **options: Any,
+    ) -> "CodecHookState":
+        """Set ``codec`` up for ``module`` and return the hook's state: the one set-up path of the
+        strategy and of :func:`~lightning_gradcomp.make_comm_hook`. Call it on every rank after
+        ``init_process_group``.
+
+        In order: the run's length (:meth:`Codec.fit_to_run`, ``total_steps``), the layer policy
+        against the module's parameters (:meth:`Codec.plan_layers`), the ranks' agreement on the
+        codec and its options (:func:`check_codec_consistency`), the codec's context in
+        ``process_group`` on ``device`` (default: the device of the module's first parameter, else
+        the CPU). The module's parameter names key the state. ``options``: the constructor's
+        (``static_graph``, ``stats_every``, ``nonfinite``, ``fallback``)."""
+        codec.fit_to_run(total_steps)
+        names: dict[int, str] = {}
+        if module is not None:
+            names = {id(p): n for n, p in module.named_parameters()}
+            codec.plan_layers(module.named_parameters())
+            first = next(module.parameters(), None)
+            if device is None and first is not None:
+                device = first.device
+        check_codec_consistency(codec, process_group)
+        codec.setup(make_context(process_group, device or torch.device("cpu")))
+        return cls(codec, process_group=process_group, param_names=names, **options)
+
+    def continue_from(self, previous: "CodecHookState") -> None:
+        """A second ``fit()`` in the same process goes on where ``previous`` stopped: its step,
+        residuals, momentum, learning rates, non-finite count and whole-run statistics."""
+        self.step = previous.step
+        self.memory = previous.memory
+        self.momentum_buffers = previous.momentum_buffers
+        self.residual_lr = previous.residual_lr
+        self.nonfinite_steps = previous.nonfinite_steps
+        self.stats.totals = previous.stats.totals
 
     # the process group cannot be pickled (spawn, checkpoints): drop it, fall back to WORLD
     def __getstate__(self) -> dict[str, Any]:
@@ -217,12 +260,27 @@ class CodecHookState:
             self.skip_requested = True
         self.stats.add(nonfinite=True)
 
-    def discard(self, buf: Tensor, keys: list[str] = (), momentum_keys: list[str] = ()) -> Tensor:
-        """A non-finite step: zero the bucket, drop what it staged, ask for the step to be skipped."""
-        buf.zero_()
-        self.memory.discard(list(keys))
-        self.momentum_buffers.discard(list(momentum_keys))
-        self.note_nonfinite()
+    def settle(
+        self, buf: Tensor, keep: bool, keys: list[str] = (), momentum_keys: list[str] = (), flushed: bool = False
+    ) -> Tensor:
+        """The end of a bucket, on every path; returns ``buf``.
+
+        Kept: the residuals staged for ``keys`` and the momentum staged for ``momentum_keys`` are
+        committed; with ``flushed`` (the plain path) ``keys`` are residuals that travelled in the
+        bucket, and are dropped. Not kept (a non-finite value on some rank): the bucket is zeroed,
+        what it staged is dropped (the residuals stay as they were) and the step is to be skipped.
+        """
+        if not keep:
+            buf.zero_()
+            self.memory.discard(list(keys))
+            self.momentum_buffers.discard(list(momentum_keys))
+            self.note_nonfinite()
+            return buf
+        if flushed:
+            self.memory.drop(list(keys))
+        else:
+            self.memory.commit(list(keys))
+        self.momentum_buffers.commit(list(momentum_keys))
         return buf
 
     def received(self, fut: torch.futures.Future, step: int) -> Any:
@@ -244,7 +302,7 @@ class CodecHookState:
             comm=self.codec.context,
             sample=step % self.stats_every == 0,
             record=self.stats.add,
-            discard=lambda buf: self.discard(buf, keys, momentum_keys),
+            discard=lambda buf: self.settle(buf, False, keys, momentum_keys),
         )
 
     # ----------------------------------------------------------------------------------------------
