@@ -3,8 +3,8 @@
 A built-in codec is a module of :mod:`lightning_gradcomp.codecs` with a ``@register_codec(name)``
 class: the first time the registry is asked for a name or the list, it imports every module of that
 package once (:func:`pkgutil.iter_modules`), so a new file there is all a new codec needs. (The
-strategy asks at import, to register ``compressed_ddp_<name>`` with Lightning: the codec modules
-add some 40 ms to the package's import of several seconds.)
+strategy asks at import, to register ``compressed_ddp_<name>`` with Lightning; what that adds to
+the package's import is in docs/design.md, "Adding a codec".)
 """
 
 from __future__ import annotations

@@ -27,7 +27,13 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(_module=mod)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded with the results
-    return int(args._module.main(args) or 0)
+    rc = int(args._module.main(args) or 0)
+    if rc == 0 and args.command == "tta" and args.figure:  # tta computes, plot draws: no import circle
+        from lightning_gradcomp.bench.plot import plot_tta_figures
+
+        for path in plot_tta_figures(args):
+            print(f"wrote {path}")
+    return rc
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ __all__ = [
     "main",
     "plot_accuracy",
     "plot_accuracy_vs_time",
+    "plot_tta_figures",
     "plot_link",
     "time_to_accuracy",
     "write_markdown",
@@ -224,6 +225,17 @@ def plot_accuracy_vs_time(
     ax.legend(fontsize=8)
     figdir.mkdir(parents=True, exist_ok=True)
     return [_save(plt, fig, figdir / f"accuracy_vs_time_{rate}.png")]
+
+
+def plot_tta_figures(args: argparse.Namespace) -> list[Path]:
+    """``tta --figure DIR``: :func:`plot_accuracy_vs_time` at each of ``tta``'s rates, from its
+    inputs and options (tta computes and never imports this module; the command line runs this
+    after it)."""
+    acc, link = read_json(args.accuracy), read_json(args.link)
+    drawn: list[Path] = []
+    for rate in [r for r in args.rates.split(",") if r]:
+        drawn += plot_accuracy_vs_time(acc, link, Path(args.figure), rate=rate, hosts=args.hosts, target=args.target)
+    return drawn
 
 
 def link_pivot(rows: list[dict[str, Any]]) -> dict[tuple[str, int], tuple[list[dict[str, Any]], list[Column]]]:

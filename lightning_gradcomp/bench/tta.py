@@ -85,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--figure",
         default=None,
         help="also draw test accuracy against wall-clock time at each rate into this directory "
-        "(accuracy_vs_time_RATE.png)",
+        "(accuracy_vs_time_RATE.png; tta computes, and plot draws once it has written its results)",
     )
     p.add_argument("--out", default=str(paths.results_dir("tta")), help="output directory (default: %(default)s)")
 
@@ -377,12 +377,4 @@ def main(args: argparse.Namespace) -> int:
     print(meta["caption"] + "\n")
     print(format_table(result["rows"], columns(compare)))
     print(f"\nwrote {out / 'tta.json'} and {out / 'tta.csv'}")
-    if args.figure:
-        from lightning_gradcomp.bench.plot import plot_accuracy_vs_time  # plot imports this module
-
-        acc, link = read_json(args.accuracy), read_json(args.link)
-        for rate in rates:
-            drawn = plot_accuracy_vs_time(acc, link, Path(args.figure), rate=rate, hosts=args.hosts, target=args.target)
-            for path in drawn:
-                print(f"wrote {path}")
     return 0

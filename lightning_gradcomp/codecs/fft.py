@@ -16,21 +16,19 @@ Networks", HPDC'20 (preprint arXiv:1811.08596). Per layer:
    and ``theta`` (``positions="auto"``); with ``theta = 0`` nothing.
 5. The receiver scatters the values into a zero spectrum and inverts it, ``irfft(X, n=B)``.
 
-Our choices (the paper leaves them open or its text was not available):
+Our choices (the paper leaves them open or its text was not available); the measurements behind
+them are in docs/codecs/fft.md, "Details we settled":
 
 * **Fixed-size blocks, not one FFT per layer or bucket.** A layer's length often has a large prime
-  factor (ResNet-18's flattened parameters: 2·3·1,863,607), and the FFT of such a length costs ~45x
-  more than blocks of 1,024-4,096 (measured: 2.9 s against 65 ms for all of ResNet-18 on one core).
-  ``B = 4096`` by default: measured on ResNet-18 gradients (CIFAR shape, 8-bit values) blocks of
-  256, 1,024 and 4,096 reconstruct almost equally well (relative error 0.714, 0.710, 0.708 at
-  theta = 0.9), 4,096 compresses best at high theta (187x against 178x and 149x at theta = 0.99:
-  fewer blocks round ``k`` up) and its transforms are the cheapest (65 ms against 74 ms for 1,024).
-* **A fixed count per block** (``torch.topk`` along the block dimension) by default. Measured on
-  ResNet-18 gradients it reconstructs as well as a layer-wide top-K (relative error 0.708 against
-  0.706 at theta = 0.9, 0.852 against 0.851 at 0.99), costs no more (a single exact top-K over a
-  layer's spectrum costs more than the whole step budget; the layer-wide option uses a sampled
-  threshold first), and its block-local positions need 12 bits instead of up to 21, so theta = 0.99
-  compresses 187x instead of 154x. Either way every message has the same size on every rank.
+  factor (ResNet-18's flattened parameters: 2·3·1,863,607), and the FFT of such a length costs
+  far more than blocks. ``B = 4096`` by default: blocks of 256 to 4,096 reconstruct almost equally
+  well, and 4,096 compresses best at high theta (fewer blocks round ``k`` up) with the cheapest
+  transforms.
+* **A fixed count per block** (``torch.topk`` along the block dimension) by default. It
+  reconstructs as well as a layer-wide top-K, costs no more (a single exact top-K over a layer's
+  spectrum costs more than the whole step budget; the layer-wide option uses a sampled threshold
+  first), and its block-local positions need 12 bits instead of up to 21, so it compresses more at
+  the same theta. Either way every message has the same size on every rank.
 * **Magnitude selection of complex coefficients**: a coefficient keeps both its real and imaginary
   part. The DC and Nyquist bins are real; their (zero) imaginary part is sent as a zero code, which
   wastes at most two slots a block.

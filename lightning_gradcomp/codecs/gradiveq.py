@@ -57,8 +57,8 @@ Where the basis comes from (``basis_source``):
     The basis is fitted on the aggregated gradients of uncompressed windows (below) and kept
     fixed in between. Error feedback is off by default, as in the paper: with a fixed basis the
     residual lies in the orthogonal complement of ``span(U)`` and would only be sent by the next
-    uncompressed window. This schedule dropped about 83 % of the gradient energy for good on
-    ResNet-18 and trained clearly worse than plain all-reduce (docs/codecs/gradiveq.md).
+    uncompressed window. On ResNet-18 this schedule dropped most of the gradient energy for good
+    and trained clearly worse than plain all-reduce (the measurements: docs/codecs/gradiveq.md).
 
 The number of components is adjustable (:class:`~lightning_gradcomp.codecs.base.AdjustableLevel`):
 at level ``L`` it is ``round(min(d, 4k)^(1-L) * k^L)`` for the configured ``k``, so level 1 keeps
