@@ -141,9 +141,10 @@ class CompressedDDPStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        # the hook can only count; a callback turns its numbers into logged scalars
-        # as do the codec's own schedule callbacks (lgc's stages, gradiveq's PCA phases): they only
-        # log, so a run with or without them trains the same; a user's instance is kept as given
+        # the hook can only count; a callback turns its numbers, and the scalars a learned codec
+        # reports (LearnedState.scalars), into logged scalars. The codec's own schedule callbacks
+        # come too (lgc's end-of-fit summary): with no arguments they change nothing, so a run
+        # with or without them trains the same; a user's instance is kept as given
         from lightning_gradcomp.callbacks import schedule_callbacks
         from lightning_gradcomp.callbacks.monitor import CompressionMonitor
 

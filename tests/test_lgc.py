@@ -281,14 +281,18 @@ def test_lightning_run_logs_stages_and_resume_restores_the_learned_code(tmp_path
     first = trainer(9, "a")
     first.fit(MLPModule())
     metrics = first.callback_metrics
+    # reported by the codec (LGCCodec.scalars) and logged by CompressionMonitor
     assert float(metrics["gradcomp/lgc_stage"]) == 3.0
     assert math.isfinite(float(metrics["gradcomp/ae_loss"])) and "gradcomp/ae_recon_error" in metrics
+    assert float(metrics["gradcomp/ae_params"]) >= 2 and float(metrics["gradcomp/ae_train_s"]) > 0
+    assert 0 <= float(metrics["gradcomp/ae_layers"]) <= float(metrics["gradcomp/ae_layers_eligible"])
     ckpt = tmp_path / "lgc.ckpt"
     saved = torch.load(ckpt, weights_only=True)["gradcomp"]
     assert saved["shared"]["codec"]["ae_trained"] is True
 
     second = trainer(11, "b")
     second.fit(MLPModule(), ckpt_path=str(ckpt))
+    assert float(second.callback_metrics["gradcomp/lgc_stage"]) == 3.0  # the restored code, reported again
     end_a = {Path(tmp_path, f"a-end-rank{r}.txt").read_text().split()[0] for r in range(2)}
     start_b = [Path(tmp_path, f"b-start-rank{r}.txt").read_text().split() for r in range(2)]
     assert len(end_a) == 1, "ranks ended the first run with different autoencoders"

@@ -43,7 +43,16 @@ from typing import Any
 from lightning_gradcomp.bench import paths
 from lightning_gradcomp.bench.results import Column, format_table, machine_info, write_csv, write_json
 
-__all__ = ["COLUMNS", "LEARNED_COLUMNS", "add_arguments", "columns_for", "learned_summary", "main", "measure_codec"]
+__all__ = [
+    "COLUMNS",
+    "LEARNED_COLUMNS",
+    "LEARNED_SCALARS",
+    "add_arguments",
+    "columns_for",
+    "learned_summary",
+    "main",
+    "measure_codec",
+]
 
 _NEVER = 10**12
 #: torch's own PowerSGD hook, registered directly (not a codec of this package)
@@ -80,26 +89,30 @@ def columns_for(rows: list[dict[str, Any]]) -> list[Column]:
     return COLUMNS + [c for c in LEARNED_COLUMNS if any(r.get(c.key) is not None for r in rows)]
 
 
-def learned_summary(codec: Any) -> dict[str, float]:
-    """What a learning codec has learned (left out while still NaN, before it has): an
-    autoencoder's training time, held-out relative error and parameter count (``lgc``); PCA bases'
-    mean number of components and the variance they explain (``gradiveq``)."""
-    from lightning_gradcomp.codecs.gradiveq import GradiVeQCodec
-    from lightning_gradcomp.codecs.lgc import LGCCodec
+#: column of :data:`LEARNED_COLUMNS` -> the scalar a codec reports it as (``LearnedState.scalars``)
+LEARNED_SCALARS = {
+    "ae_train_s": "ae_train_s",
+    "ae_params": "ae_params",
+    "ae_recon_error": "ae_recon_error",
+    "basis_k": "pca_k",
+    "explained_variance": "explained_variance",
+}
 
-    def number(v: Any) -> float | None:
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        return float(v) if ok else None
 
-    out: dict[str, float | None] = {}
-    if isinstance(codec, LGCCodec):
-        out["ae_train_s"], out["ae_recon_error"] = number(codec.ae_train_s), number(codec.ae_recon_error)
-        out["ae_params"] = float(sum(p.numel() for p in codec.ae.parameters()))
-    if isinstance(codec, GradiVeQCodec) and codec.fitted:
-        out["basis_k"] = number(codec.k)
-        # 0 when no fit measured it (bases a leader fits on its own gradient)
-        out["explained_variance"] = number(codec.explained_variance) or None
-    return {k: v for k, v in out.items() if v is not None}
+def learned_summary(scalars: dict[str, float]) -> dict[str, float]:
+    """The :data:`LEARNED_COLUMNS` among what a learning codec reports of its last step
+    (:meth:`~lightning_gradcomp.codecs.base.LearnedState.scalars`, as
+    ``CodecHookState.codec_scalars`` returns them): an autoencoder's training time, held-out
+    relative error and parameter count (``lgc``, once trained); PCA bases' mean number of
+    components and the variance they explain (``gradiveq``). A value that is not finite or is 0 is
+    left out: a codec reports 0 for what it has not fitted (``gradiveq`` before its first fit, or
+    the variance of bases a leader fits on its own gradient, which no fit measured)."""
+    out = {}
+    for column, name in LEARNED_SCALARS.items():
+        v = scalars.get(name)
+        if v is not None and math.isfinite(v) and v != 0:
+            out[column] = float(v)
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -285,7 +298,7 @@ def measure_codec(name: str, options: dict[str, Any], model_name: str, args: arg
         "mem_bw_fraction": throughput / 1e3 / bandwidth if throughput is not None and bandwidth else None,
         "compression_ratio": (sum(m["raw_wire"] for m in measured) / n) / wire if wire > 0 else None,
         "rel_error": rel_error,
-        **(learned_summary(state.codec) if stats is not None else {}),
+        **(learned_summary(state.codec_scalars()) if stats is not None else {}),
     }
 
 

@@ -17,15 +17,17 @@ _LAZY = {
     "FrozenAdamVariance": "lightning_gradcomp.callbacks.adam_freeze",
 }
 
-#: codec name -> the callback that logs its schedule; ``CompressedDDPStrategy`` attaches it
+#: codec name -> the callback that can override its schedule; ``CompressedDDPStrategy`` attaches
+#: it (with no arguments it changes nothing; ``AutoencoderWarmup`` prints its end-of-fit summary).
+#: The codecs' scalars are logged by ``CompressionMonitor`` (``LearnedState.scalars``).
 SCHEDULE_CALLBACKS = {"gradiveq": "PCAWarmup", "lgc": "AutoencoderWarmup"}
 
 __all__ = ["CompressionMonitor", "SCHEDULE_CALLBACKS", "schedule_callbacks", *_LAZY]
 
 
 def schedule_callbacks(codec: Any) -> list[Any]:
-    """The callbacks that log ``codec``'s schedule, new instances with default arguments (which
-    leave the codec's own settings as they are)."""
+    """The callbacks of ``codec``'s schedule, new instances with default arguments (which leave
+    the codec's own settings as they are)."""
     name = SCHEDULE_CALLBACKS.get(codec.name)
     return [] if name is None else [__getattr__(name)()]
 

@@ -1,4 +1,5 @@
-"""Drives and logs the three stages of the ``lgc`` codec (Learned Gradient Compression)."""
+"""Overrides the stage lengths of the ``lgc`` codec (Learned Gradient Compression) and says at
+the end of ``fit`` what its learned code carried."""
 
 from __future__ import annotations
 
@@ -6,34 +7,31 @@ import math
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_gradcomp.callbacks.schedule import ScheduleOverride
 from lightning_gradcomp.codecs.base import check_positive_int
 
 __all__ = ["AutoencoderWarmup"]
 
 
-class AutoencoderWarmup(Callback):
-    """Stage schedule and logging of :class:`~lightning_gradcomp.codecs.lgc.LGCCodec`.
+class AutoencoderWarmup(ScheduleOverride):
+    """Stage lengths and end-of-fit summary of :class:`~lightning_gradcomp.codecs.lgc.LGCCodec`.
 
     The codec switches stages on the global optimizer step, identically on every rank: dense
     all-reduce for ``warmup_steps``, shared-support top-k while gradients are collected for
-    ``ae_train_steps``, then the frozen autoencoder. The autoencoder is trained once at the switch
-    (inside the gradient hook, so every rank takes part in the broadcast of its weights); its
-    weights are in the codec's state and so in the checkpoint.
+    ``ae_train_steps``, then the frozen learned code. It is trained once at the switch (inside the
+    gradient hook, so every rank takes part in the broadcast of its weights); its weights are in
+    the codec's state and so in the checkpoint.
 
-    Logged at every optimizer step (rank 0's values, the same on every rank):
-
-    - ``gradcomp/lgc_stage``: 1, 2 or 3;
-    - ``gradcomp/ae_loss``: the autoencoder's last-epoch training loss, once trained;
-    - ``gradcomp/ae_recon_error``: ``||v_hat - v|| / ||v||`` of the decoded aggregate on held-out
-      stage-2 samples, once trained;
-    - ``gradcomp/ae_train_s``: how long the switch took on this rank;
-    - ``gradcomp/ae_layers``: in stage 3, how many layers the AE carried at this step (the
-      run-time guard sends a layer's exact values when the leader's own values do not come back
-      through the AE within ``max_recon_error``), and ``gradcomp/ae_layers_eligible``, how many
-      passed the gate at the switch.
+    This callback overrides the two lengths when given (before the strategy registers its hook)
+    and prints on rank 0, at the end of ``fit``, one line saying which stage the run reached and
+    what the learned code carried (:meth:`summary`). It logs nothing: the codec reports
+    ``gradcomp/lgc_stage``, ``gradcomp/ae_loss``, ``gradcomp/ae_recon_error``,
+    ``gradcomp/ae_train_s``, ``gradcomp/ae_layers``, ``gradcomp/ae_layers_eligible`` and
+    ``gradcomp/ae_params`` itself (:meth:`~lightning_gradcomp.codecs.lgc.LGCCodec.scalars`), and
+    :class:`~lightning_gradcomp.callbacks.CompressionMonitor` logs them, with or without this
+    callback. With another codec it raises ``ValueError``.
 
     Args:
         warmup_steps: if given, overrides the codec's ``warmup_steps`` before training starts.
@@ -41,8 +39,12 @@ class AutoencoderWarmup(Callback):
 
     Example::
 
-        trainer = Trainer(strategy=CompressedDDPStrategy(codec="lgc"), callbacks=[AutoencoderWarmup()])
+        trainer = Trainer(strategy=CompressedDDPStrategy(codec="lgc"), callbacks=[AutoencoderWarmup(warmup_steps=20)])
     """
+
+    codec_name = "lgc"
+    schedule_options = ("warmup_steps", "ae_train_steps")
+    other_codec = "raise"
 
     def __init__(self, warmup_steps: int | None = None, ae_train_steps: int | None = None) -> None:
         if warmup_steps is not None:
@@ -52,42 +54,11 @@ class AutoencoderWarmup(Callback):
         self.warmup_steps = warmup_steps
         self.ae_train_steps = ae_train_steps
 
-    @staticmethod
-    def _codec(trainer: pl.Trainer) -> Any:
+    @classmethod
+    def codec_type(cls) -> type:
         from lightning_gradcomp.codecs.lgc import LGCCodec
 
-        codec = getattr(trainer.strategy, "codec", None)
-        return codec if isinstance(codec, LGCCodec) else None
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        codec = self._codec(trainer)
-        if codec is None:
-            raise ValueError(
-                "AutoencoderWarmup needs CompressedDDPStrategy(codec='lgc'); "
-                f"the strategy is {type(trainer.strategy).__name__} "
-                f"with codec {getattr(trainer.strategy, 'codec', None)!r}"
-            )
-        # runs on every rank before the strategy registers the hook (and compares codec options)
-        given = {"warmup_steps": self.warmup_steps, "ae_train_steps": self.ae_train_steps}
-        codec.replace_options(**{k: v for k, v in given.items() if v is not None})
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        codec, state = self._codec(trainer), getattr(trainer.strategy, "hook_state", None)
-        if codec is None or state is None or state.step == 0:
-            return
-        scalars = {"gradcomp/lgc_stage": float(codec.stage(state.step - 1))}
-        if codec.ae_trained and math.isfinite(codec.ae_loss):
-            scalars["gradcomp/ae_loss"] = codec.ae_loss
-            scalars["gradcomp/ae_recon_error"] = codec.ae_recon_error
-            scalars["gradcomp/ae_train_s"] = codec.ae_train_s
-            used, eligible = codec.ae_layers_used
-            scalars["gradcomp/ae_layers"] = float(used)
-            scalars["gradcomp/ae_layers_eligible"] = float(eligible)
-        pl_module.log_dict(scalars, on_step=True, on_epoch=False, batch_size=1)
+        return LGCCodec
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -27,7 +27,12 @@ class CompressionMonitor(Callback):
       sampled every ``stats_every``;
     - ``gradcomp/encode_ms``, ``decode_ms``, ``comm_ms`` (per step, summed over buckets);
     - ``gradcomp/phase``: 0 while sending uncompressed (warm-up), 1 when compressing;
-    - codec-specific scalars (``theta``, ``explained_variance``, ``ae_loss``, ...).
+    - ``gradcomp/<name>`` for every scalar a :class:`~lightning_gradcomp.codecs.base.LearnedState`
+      codec reports in :meth:`~lightning_gradcomp.codecs.base.LearnedState.scalars` of the step
+      (``lgc``: ``lgc_stage``, ``ae_loss``, ...; ``gradiveq``: ``pca_phase``, ``pca_k``,
+      ``explained_variance``), on every batch once a step has run, as rank 0 holds them.
+
+    Scalars of a schedule callback (``theta``, ``level``) are logged by that callback.
 
     Args:
         prog_bar: show the compression ratio in the progress bar.
@@ -43,10 +48,14 @@ class CompressionMonitor(Callback):
         state = getattr(trainer.strategy, "hook_state", None)
         if state is None:
             return
+        # what the codec learned, identical on every rank (empty before the first step)
+        learned = {f"gradcomp/{k}": v for k, v in state.codec_scalars().items()}
         step = state.stats.pop()
         if step is None:  # an accumulation micro-batch: nothing was communicated
+            if learned:
+                pl_module.log_dict(learned, on_step=True, on_epoch=False, batch_size=1)
             return
-        scalars = {f"gradcomp/{k}": v for k, v in step.as_scalars().items()}
+        scalars = {**learned, **{f"gradcomp/{k}": v for k, v in step.as_scalars().items()}}
         totals = state.stats.totals
         if totals.wire_bytes > 0:
             scalars["gradcomp/compression_ratio_run"] = totals.compression_ratio

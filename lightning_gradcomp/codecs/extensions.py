@@ -31,6 +31,9 @@ class LearnedState:
     what applies. :meth:`observe_dense` and :meth:`on_step_end` are called on every rank with the
     same arguments; ``on_step_end`` runs in the hook body of the next step (never in a ``.then``
     callback), so it may run the collectives of :class:`CodecContext`.
+
+    A codec that learns reports what it learned in :meth:`scalars`, and
+    :class:`~lightning_gradcomp.callbacks.CompressionMonitor` logs it: no callback of its own.
     """
 
     def observe_dense(self, key: str, mean_grad: Tensor, step: int) -> None:
@@ -39,6 +42,20 @@ class LearnedState:
 
     def on_step_end(self, step: int) -> None:
         """After the last bucket of optimizer step ``step`` was launched (and its futures done)."""
+
+    def scalars(self, step: int, compressing: bool) -> dict[str, float]:
+        """What the codec learned or where its schedule stands after optimizer step ``step``, by
+        name without the ``gradcomp/`` prefix (``{"pca_k": 4.0}``); empty by default.
+
+        :class:`~lightning_gradcomp.callbacks.CompressionMonitor` logs each entry as
+        ``gradcomp/<name>`` after every optimizer step (rank 0's values; the entries are meant to
+        be identical on every rank), and the ``codecs`` benchmark reads what a codec fitted from
+        it. ``compressing`` is whether the hook compressed ``step``: it stays False during DDP's
+        first steps even where :meth:`~Codec.is_compressing` says True. A value not learned yet
+        is left out, or 0 where its curve should start at 0 (``gradiveq``'s ``pca_k``), never NaN.
+        Called between steps, on every rank: read attributes, run no collective.
+        """
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         """State identical on every rank (bases, learned weights, schedules)."""

@@ -101,7 +101,7 @@ from lightning_gradcomp.registry import register_codec
 
 __all__ = ["GradiVeQCodec", "GradiVeQOptions", "fit_pca", "PHASES"]
 
-#: numeric codes of the phases, as logged by :class:`~lightning_gradcomp.callbacks.PCAWarmup`
+#: numeric codes of the phases, as logged in ``gradcomp/pca_phase`` (:meth:`GradiVeQCodec.scalars`)
 PHASES = {"warmup": 0, "compress": 1, "refresh": 2}
 BASIS_SOURCES = ("leader", "aggregate")
 _SHARED = "__shared__"
@@ -407,6 +407,21 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
     @property
     def fits(self) -> int:
         return self._fits
+
+    def scalars(self, step: int, compressing: bool) -> dict[str, float]:
+        """``pca_phase`` of ``step`` (:data:`PHASES`: 0 warm-up, 1 compressing, 2 refresh window;
+        a compressing phase the hook did not compress, before the first basis or in DDP's first
+        steps, counts as warm-up), ``pca_k`` (mean number of components kept per basis, 0 before
+        the first fit) and ``explained_variance`` (mean fraction of the sampled gradient energy
+        the bases capture, 0 where no fit measured it)."""
+        phase = self.phase_at(step)
+        if phase == "compress" and not compressing:
+            phase = "warmup"
+        return {
+            "pca_phase": float(PHASES[phase]),
+            "pca_k": float(self.k),
+            "explained_variance": float(self.explained_variance),
+        }
 
     # ----------------------------------------------------------------------------------------------
     # learning the basis

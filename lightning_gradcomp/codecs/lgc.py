@@ -658,6 +658,25 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         """Layers that use the AE in stage 3, with their held-out relative error."""
         return dict(self._ae_layers)
 
+    def scalars(self, step: int, compressing: bool) -> dict[str, float]:
+        """``lgc_stage`` (1, 2 or 3) at ``step``; once the learned code is trained (and its loss
+        finite): ``ae_loss``, ``ae_recon_error`` (held-out, at the switch), ``ae_train_s`` (the
+        switch's seconds on this rank), ``ae_layers`` (layers the code carried at the last step),
+        ``ae_layers_eligible`` (layers that passed the gate at the switch) and ``ae_params`` (the
+        learned code's parameter count, :meth:`ae_cost`)."""
+        out = {"lgc_stage": float(self.stage(step))}
+        if self.ae_trained and math.isfinite(self.ae_loss):
+            used, eligible = self.ae_layers_used
+            out.update(
+                ae_loss=self.ae_loss,
+                ae_recon_error=self.ae_recon_error,
+                ae_train_s=self.ae_train_s,
+                ae_layers=float(used),
+                ae_layers_eligible=float(eligible),
+                ae_params=self.ae_cost()["ae_params"],
+            )
+        return out
+
     def ae_cost(self) -> dict[str, float]:
         """Parameter count and bytes of the learned code (the AE's weights, or the levels)."""
         if not self.uses_autoencoder:

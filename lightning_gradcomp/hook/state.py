@@ -179,6 +179,14 @@ class CodecHookState:
         step = self.step if step is None else step
         return step >= self.first_compress_step and self.codec.is_compressing(step)
 
+    def codec_scalars(self) -> dict[str, float]:
+        """What a :class:`LearnedState` codec reports of the last optimizer step
+        (:meth:`LearnedState.scalars`), as floats; empty before the first step and for other codecs."""
+        if self.step == 0 or not isinstance(self.codec, LearnedState):
+            return {}
+        step = self.step - 1  # the optimizer step that just communicated
+        return {str(k): float(v) for k, v in self.codec.scalars(step, self.compressing(step)).items()}
+
     # ----------------------------------------------------------------------------------------------
     # checkpoints and snapshots
     def state_dict(self) -> dict[str, Any]:
