@@ -1014,6 +1014,54 @@ def test_tta_given_target_level_replaces_none_final_metric():
     assert "0.3000 (given)" in result["meta"]["caption"]
 
 
+def test_tta_time_to_none_final_accuracy_and_99_percent_of_it_beside_the_target():
+    acc, link_data = _tta_inputs()
+    # fp16: 0.546 at the end, above 99 % of none's final mean 0.55 (0.5445) and below 0.55 itself
+    acc["rows"] += [_acc_row("fp16", s, [(50, 0.3), (100, 0.5), (150, 0.546)], 0.546) for s in (0, 1)]
+    link_data["rows"].append({"hosts": 2, "rate": "100mbit", "model": "resnet18", "codec": "fp16", "step_s": 2.0})
+    for r in acc["rows"]:  # lgc: 10 dense warm-up steps, charged at none's step time as for the target
+        if r["codec"] == "lgc":
+            r.update(compression_ratio=150 / (10 + 140 / 100), compression_ratio_last=100.0)
+    # a given target does not move the two levels: they are none's final metric and 99 % of it
+    result = tta.compute(acc, link_data, ["100mbit", "10mbit"], hosts=2, target=0.3)
+    meta = result["meta"]
+    assert meta["target"] == pytest.approx(0.3)
+    assert meta["none_levels"]["none_final"] == pytest.approx(0.55) == meta["none_final_metric"]
+    assert meta["none_levels"]["none_99"] == pytest.approx(0.5445) and meta["none_fraction"] == 0.99
+    got = {(r["codec"], r["rate"]): r for r in result["rows"]}
+    # none reaches its own final mean (0.25, 0.4, 0.55) at its last validation; 150 steps at 4 s
+    none = got["none", "100mbit"]
+    assert none["steps_to_none_final"] == 150 and none["tta_none_final_s"] == pytest.approx(600)
+    assert none["steps_to_none_99"] == 150 and none["none_final_text"] == "600 (150 steps)"
+    # powersgd (means 0.3, 0.55, 0.56) gets there at 100 steps of 1.2 s
+    ps = got["powersgd", "100mbit"]
+    assert ps["steps_to_none_final"] == 100 and ps["tta_none_final_s"] == pytest.approx(120)
+    assert ps["steps_to_none_99"] == 100 and ps["tta_none_99_s"] == pytest.approx(120)
+    # fp16 reaches 99 % of it, not all of it
+    fp16 = got["fp16", "100mbit"]
+    assert fp16["steps_to_none_99"] == 150 and fp16["tta_none_99_s"] == pytest.approx(300)
+    assert fp16["none_99_text"] == "300 (150 steps)"
+    assert fp16["steps_to_none_final"] is None and fp16["tta_none_final_s"] is None
+    assert fp16["none_final_text"] == "not reached"
+    # topk never reaches either level (nor is a number made up), though it reaches the given target
+    for rate in ("100mbit", "10mbit"):
+        topk = got["topk", rate]
+        assert topk["steps_to_target"] == 150 and topk["tta_s"] is not None
+        assert topk["steps_to_none_final"] is None and topk["tta_none_final_s"] is None
+        assert topk["steps_to_none_99"] is None and topk["tta_none_99_s"] is None
+        assert topk["none_final_text"] == "not reached" == topk["none_99_text"]
+    # lgc: 150 steps at 1.25 s plus its 10 dense steps at none's 4.0 s; at 10 Mbit/s it has no link row
+    assert got["lgc", "100mbit"]["tta_none_final_s"] == pytest.approx(150 * 1.25 + 10 * (4.0 - 1.25))
+    assert got["lgc", "10mbit"]["steps_to_none_final"] == 150 and got["lgc", "10mbit"]["tta_none_final_s"] is None
+    assert got["lgc", "10mbit"]["none_final_text"] == "step 150, no step time"
+    assert got["none", "10mbit"]["tta_none_99_s"] == pytest.approx(6000)
+    # the existing columns are unchanged, the new ones are in the table and the caption
+    assert ps["steps_to_target"] == 50 and ps["tta_s"] == pytest.approx(60)
+    table = format_table(result["rows"], tta.columns(meta["compare"]))
+    assert "to none's final: s (steps)" in table and "to 99 % of it: s (steps)" in table
+    assert "0.5500" in meta["caption"] and "0.5445" in meta["caption"]
+
+
 def test_tta_charges_warm_up_steps_at_none_pace_and_borrows_step_times_of_a_configuration():
     acc, link_data = _tta_inputs()
     # lgc's runs: 150 steps, steady ratio 100, whole-run ratio 150 / (10 + 140/100): 10 dense steps
@@ -1086,6 +1134,7 @@ def test_plot_draws_accuracy_against_time_and_tta_tables(tmp_path):
     assert "## Time to accuracy on a slow link" in text and "two separate measurements" in text
     assert "| powersgd | 100mbit | 0.5600 | 100 | 0 | 1.200 | 120 | 5.00 | 1.00 |" in text
     assert "| topk | 100mbit | 0.3000 | not reached | 0 |" in text
+    assert "to none's final: s (steps)" in text and "| 5.00 | 1.00 | 120 (100 steps) | 120 (100 steps) |" in text
     assert "](figures/accuracy_vs_time_100mbit.png)" in text
     assert "| task | codec | budget | seeds |" in text
     assert "| cifar10 | none | 1 epoch | 0,1 | val/acc | 0.5500 | 0.1000 |" in text

@@ -188,8 +188,8 @@ def plot_accuracy_vs_time(
     target: float | None = None,
 ) -> list[Path]:
     """Test accuracy against wall-clock time on one link: each codec's validation steps (mean over
-    seeds, min and max as a band) times its median step time there; none's final accuracy dashed
-    (and ``target``, when given, dotted)."""
+    seeds, min and max as a band) times its median step time there; none's final accuracy dashed,
+    99 % of it dash-dotted (and ``target``, when given, dotted)."""
     if not any(r.get("history") for r in acc.get("rows", [])):
         return []
     try:
@@ -213,6 +213,11 @@ def plot_accuracy_vs_time(
         if any(p["max"] > p["min"] for p in pts):
             ax.fill_between(x, [p["min"] for p in pts], [p["max"] for p in pts], color=color, alpha=0.15)
     ax.axhline(meta["none_final_metric"], color="black", linestyle="--", linewidth=0.8, label="none's final")
+    if meta.get("none_levels"):  # the second level tta reports every codec's time to
+        fraction = meta.get("none_fraction", tta_mod.NONE_FRACTION)
+        ax.axhline(
+            meta["none_levels"]["none_99"], color="black", linestyle="-.", linewidth=0.6, label=f"{fraction:.0%} of it"
+        )
     if target is not None:
         ax.axhline(target, color="gray", linestyle=":", linewidth=0.8, label=f"target {target:g}")
     ax.set_xlabel(f"wall-clock time at {_rate_label(rate)}, {hosts} hosts (min; link step times x steps)")

@@ -12,6 +12,9 @@ each codec and rate:
   seeds at the steps every seed validated, reaches the target ('not reached' within the budget);
 - time to accuracy: those steps times the codec's median step time on that link
   (``--hosts`` hosts), and the speed-up against ``none`` and ``powersgd`` (their time / this time);
+- beside that target, always: the steps and time to ``none``'s own final metric (the mean over its
+  seeds, as for the target) and to 99 % of it, read from the same mean curves ('not reached' when
+  the curve never gets there within the budget), whatever ``--target`` says;
 - dense steps: a codec that sends its first steps uncompressed (a warm-up) pays for them at
   ``none``'s step time. Their number is what the accuracy run's byte counts say: with ``T`` steps,
   a whole-run ratio ``R`` and a steady ratio ``r``, the run sent ``T / R`` gradients' worth where
@@ -46,11 +49,16 @@ __all__ = [
     "link_step_times",
     "main",
     "mean_history",
+    "none_levels",
+    "reach_text",
     "steps_to_target",
 ]
 
 #: a mean of the same numbers summed in another order may differ in the last bits
 TOLERANCE = 1e-9
+
+#: the fraction of none's final metric reported beside it (``none_99``)
+NONE_FRACTION = 0.99
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -169,6 +177,24 @@ def accuracy_curves(rows: list[dict[str, Any]], task: str) -> tuple[dict[str, di
     return out, warnings
 
 
+def none_levels(none_final: float) -> dict[str, float]:
+    """The levels every codec's time is also given to, whatever the target: ``none``'s final metric
+    (the mean over its seeds) and :data:`NONE_FRACTION` of it, keyed as in the rows' keys."""
+    return {"none_final": none_final, "none_99": NONE_FRACTION * none_final}
+
+
+def reach_text(steps: int | None, seconds: float | None, has_curve: bool) -> str:
+    """A table cell for the time to a level: seconds and steps, 'not reached' within the budget,
+    or why there is no time ('-' without a validation history)."""
+    if not has_curve:
+        return "-"
+    if steps is None:
+        return "not reached"
+    if seconds is None:
+        return f"step {steps}, no step time"
+    return f"{seconds:.0f} ({steps} steps)"
+
+
 def link_step_times(rows: list[dict[str, Any]], hosts: int, rate: str, model: str | None) -> dict[str, float]:
     """Median step time per codec label at ``hosts`` hosts and ``rate`` (the last row of a repeat wins)."""
     return {
@@ -216,6 +242,7 @@ def compute(
     if target is None:
         target = codecs["none"]["final_metric"] - target_drop
     info = codecs["none"]
+    levels = none_levels(info["final_metric"])
     acc_model, acc_batch = info["model"], info["batch_size"]
     link_meta = link.get("meta", {})
     model = _pick_link_model(link.get("rows", []), link_meta, link_model, acc_model)
@@ -263,6 +290,11 @@ def compute(
                 note = f"no link row for {codec} at {rate}"
             elif borrowed:
                 note = f"step time of {base}"
+            reach: dict[str, Any] = {}
+            for key, level in levels.items():  # none's final metric and 99 % of it, beside the target
+                n = steps_to_target(c["curve"], level)
+                t = seconds_to_step(n, s, c["dense_steps"], dense_s) if n is not None and s is not None else None
+                reach |= {f"steps_to_{key}": n, f"tta_{key}_s": t, f"{key}_text": reach_text(n, t, bool(c["curve"]))}
             rate_rows.append(
                 {
                     "codec": codec,
@@ -278,6 +310,7 @@ def compute(
                     "dense_steps": c["dense_steps"],
                     "step_s": s,
                     "tta_s": tta,
+                    **reach,
                     "note": note,
                 }
             )
@@ -295,6 +328,8 @@ def compute(
         "target_given": given,
         "none_final_metric": info["final_metric"],
         "none_seeds": info["seeds"],
+        "none_levels": levels,
+        "none_fraction": NONE_FRACTION,
         "rates": rates,
         "hosts": hosts,
         "compare": list(compare),
@@ -320,6 +355,15 @@ def caption(meta: dict[str, Any]) -> str:
             f"Target: the final {meta.get('metric_name') or 'metric'} of none (mean over seeds {seeds}){drop} "
             f"= {meta['target']:.4f}."
         )
+    levels = meta.get("none_levels")
+    if levels:
+        seeds = ", ".join("?" if s is None else str(s) for s in meta.get("none_seeds", []))
+        fraction = meta.get("none_fraction", NONE_FRACTION)
+        goal += (
+            f" Beside it, the time to none's own final {meta.get('metric_name') or 'metric'} (mean over seeds "
+            f"{seeds}) = {levels['none_final']:.4f} and to {fraction:.0%} of it = {levels['none_99']:.4f}, "
+            "read from the same mean curves; 'not reached' means not within the budget."
+        )
     acc_batch = meta.get("accuracy_batch_size")
     return (
         "Time to accuracy combines two separate measurements: the steps to the target come from the accuracy "
@@ -343,6 +387,8 @@ def columns(compare: list[str] | tuple[str, ...]) -> list[Column]:
         Column("step_s", "step s", "{:.3f}"),
         Column("tta_s", "time to acc. s", "{:.0f}"),
         *(Column(f"speedup_vs_{b}", f"x vs {b}", "{:.2f}") for b in compare),
+        Column("none_final_text", "to none's final: s (steps)"),
+        Column("none_99_text", "to 99 % of it: s (steps)"),
         Column("note", "note"),
     ]
 
