@@ -45,13 +45,21 @@ class FrozenAdamVariance(Callback):
             from which the variance is frozen; ``None`` (default) takes the step at which the
             strategy's codec starts to compress (``lgc``'s end of the dense warm-up, the harness's
             ``start_step`` otherwise).
+        floor: each frozen value is at least ``floor`` times its tensor's mean frozen value
+            (default 0.01, so a step is at most 10x the tensor's typical one). Without it a
+            coordinate that received no gradient before the freeze keeps a variance of about 0
+            and, once a gradient reaches it, steps by ``lr * m / eps``: on PSPNet/CamVid (``lgc``,
+            AdamW) such a run trained well for six epochs and then collapsed (docs/callbacks.md).
 
     Logged: ``gradcomp/adam_variance_frozen`` (0 or 1). The frozen values are in the callback's
     ``state_dict``, so a resumed run keeps them.
     """
 
-    def __init__(self, freeze_step: int | float | None = None) -> None:
+    def __init__(self, freeze_step: int | float | None = None, floor: float = 0.01) -> None:
         self.freeze_step = None if freeze_step is None else check_run_steps("freeze_step", freeze_step)
+        if not (isinstance(floor, (int, float)) and 0 <= floor <= 1):
+            raise ValueError(f"floor must be a number in [0, 1], got {floor!r}")
+        self.floor = float(floor)
         self._frozen: dict[int, torch.Tensor] = {}  # index of the parameter in the optimizer -> v_hat
         self._freeze_at: int | None = None
 
@@ -99,6 +107,9 @@ class FrozenAdamVariance(Callback):
                 state["exp_avg"].div_(1.0 - beta1**t)
                 v.div_(1.0 - beta2**t)
                 state["step"].fill_(_PAST_BIAS_CORRECTION)
+                # a coordinate that saw (almost) no gradient before the freeze would keep a
+                # denominator of ~eps and step without bound once a gradient arrives: floor it
+                v.clamp_(min=self.floor * float(v.mean()))
                 self._frozen[i] = v.detach().clone()
             g = p.grad.detach()
             if coupled and group.get("weight_decay", 0.0):
