@@ -14,7 +14,6 @@ _LAZY = {
     "AutoencoderWarmup": "lightning_gradcomp.callbacks.ae_warmup",
     "CompressionReport": "lightning_gradcomp.callbacks.report",
     "AdaptiveCompression": "lightning_gradcomp.callbacks.adaptive",
-    "FrozenAdamVariance": "lightning_gradcomp.callbacks.adam_freeze",
 }
 
 #: codec name -> the callback that can override its schedule; ``CompressedDDPStrategy`` attaches
