@@ -63,11 +63,14 @@ def fit_levels(magnitudes: Tensor, count: int, iters: int = 30, max_samples: int
 
 def quantize(values: Tensor, levels: Tensor) -> tuple[Tensor, Tensor]:
     """``(r, codes)``: the RMS of ``values`` (a 1-element fp32 tensor) and one int32 code per value,
-    ``sign bit << log2(len(levels)) | index of the nearest level``."""
+    ``sign bit << log2(len(levels)) | index of the nearest level``; ``levels`` sorted ascending,
+    as :func:`fit_levels` returns them."""
     rms = values.pow(2).mean().sqrt().reshape(1).float()
     levels = levels.to(values.device)
     rel = values.abs() / rms.clamp_min(1e-30)
-    index = (rel.unsqueeze(-1) - levels).abs().argmin(-1).to(torch.int32)
+    # the levels are sorted, so the nearest one is found by the midpoints between them: no
+    # (values x levels) distance table on the hot path; a tie goes to the lower level
+    index = torch.bucketize(rel, (levels[1:] + levels[:-1]) / 2).to(torch.int32)
     sign = (values < 0).to(torch.int32) << (levels.numel().bit_length() - 1)
     return rms, sign | index
 
