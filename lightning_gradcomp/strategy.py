@@ -16,7 +16,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_gradcomp.codecs.base import Codec, MultiRound
+from lightning_gradcomp.codecs.base import BucketRouter, Codec, MultiRound
 from lightning_gradcomp.comm import gather_rank_states
 from lightning_gradcomp.hook import (
     NONFINITE_POLICIES,
@@ -60,11 +60,13 @@ class CompressedDDPStrategy(DDPStrategy):
             :mod:`lightning_gradcomp.fallback`). ``False`` always compresses; ``None`` (default)
             is on unless ``LIGHTNING_GRADCOMP_FALLBACK=0``.
         adaptive_level: set the codec's compression level from the gradient's norm
-            (:class:`~lightning_gradcomp.callbacks.AdaptiveCompression`, Accordion's rule): ``False``
-            or ``None`` (default): off; ``True``: on with the callback's defaults; a dict: the
-            callback's arguments (``{"eta": 0.5, "interval": 50}``). The codec must be adjustable
-            (``topk``, ``iwp``, ``qsgd``, ``powersgd``, ``gradiveq``, ``fft``). An
-            ``AdaptiveCompression`` among the trainer's callbacks is kept as given instead.
+            (:class:`~lightning_gradcomp.callbacks.AdaptiveCompression`, Accordion's rule): ``False``:
+            off; ``True``: on with the callback's defaults; a dict: the callback's arguments
+            (``{"eta": 0.5, "interval": 50}``); ``None`` (default): on for ``codec="auto"`` (its
+            accuracy budget: no heavy arm in a critical regime), off for every other codec. The
+            codec must be adjustable (``topk``, ``iwp``, ``qsgd``, ``powersgd``, ``gradiveq``,
+            ``fft``, ``lgc``, ``auto``). An ``AdaptiveCompression`` among the trainer's callbacks is
+            kept as given instead.
         **kwargs: everything else :class:`~lightning.pytorch.strategies.DDPStrategy` takes
             (``process_group_backend``, ``timeout``, ``start_method``, ...) and the options of
             :class:`torch.nn.parallel.DistributedDataParallel` (``find_unused_parameters``,
@@ -93,7 +95,7 @@ class CompressedDDPStrategy(DDPStrategy):
         stats_every: int = 10,
         nonfinite: str = "skip",
         fallback: bool | None = None,
-        adaptive_level: bool | dict[str, Any] | None = False,
+        adaptive_level: bool | dict[str, Any] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
@@ -366,9 +368,12 @@ class CompressedDDPStrategy(DDPStrategy):
 
 
 def _adaptive_callback(adaptive_level: bool | dict[str, Any] | None, codec: Codec) -> Any:
-    """The ``AdaptiveCompression`` that ``adaptive_level`` asks for (``None``: off), built and
+    """The ``AdaptiveCompression`` that ``adaptive_level`` asks for (``None``: on for a
+    :class:`~lightning_gradcomp.codecs.base.BucketRouter` such as ``auto``, else off), built and
     checked against the codec now, before any process starts."""
-    if adaptive_level is None or adaptive_level is False:
+    if adaptive_level is None:
+        adaptive_level = isinstance(codec, BucketRouter)
+    if adaptive_level is False:
         return None
     if adaptive_level is True:
         arguments: dict[str, Any] = {}

@@ -35,6 +35,7 @@ same strategy, hook and model.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -49,7 +50,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.callbacks.monitor import CompressionMonitor
-from lightning_gradcomp.codecs.base import Codec, MultiRound, RoundContext
+from lightning_gradcomp.codecs.base import BucketRouter, Codec, MultiRound, RoundContext
 from lightning_gradcomp.comm import completed_future
 
 __all__ = ["NoCommCodec", "main", "summarize"]
@@ -126,7 +127,9 @@ class StepRecorder(CompressionMonitor):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # The fallback compares a bucket's last plain steps with its first compressed ones: both
         # must run at the rate being measured, so with the fallback on there is no fast warm-up.
-        fallback_on = trainer.strategy.hook_state.fallback.enabled
+        # auto measures the link and its arms in its first steps, and plans for what it measured
+        state = trainer.strategy.hook_state
+        fallback_on = state.fallback.enabled or isinstance(state.codec, BucketRouter)
         self.link.set(self.link.rate if fallback_on else self.link.warmup_rate)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -150,6 +153,8 @@ class StepRecorder(CompressionMonitor):
             ready = self.warmup_steps >= self.args.warmup and ((compressed and decided) or not self.will_compress)
             if fallback.decided and fallback.fallback and not compressed:
                 ready = self.warmup_steps >= self.args.warmup  # every bucket fell back: plain from now on
+            if isinstance(state.codec, BucketRouter):  # measure the plan, whatever it chose
+                ready = self.warmup_steps >= self.args.warmup and state.codec.planned
             if not ready and self.warmup_steps >= self.args.max_warmup:
                 ready = self.warmup_exhausted = True
             if ready:
@@ -237,7 +242,10 @@ def run_codec(name: str, options: dict[str, Any], args: argparse.Namespace, link
     # the floor sends nothing: there is nothing for the fallback to weigh, and its probe steps
     # would send plainly inside the floor's measurement
     fallback = False if isinstance(codec, NoCommCodec) else None
-    strategy = CompressedDDPStrategy(codec=codec, process_group_backend="gloo", init_sync=False, fallback=fallback)
+    # steady-state step times: no level controller (auto would otherwise start in its light arms)
+    strategy = CompressedDDPStrategy(
+        codec=codec, process_group_backend="gloo", init_sync=False, fallback=fallback, adaptive_level=False
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -269,6 +277,9 @@ def run_codec(name: str, options: dict[str, Any], args: argparse.Namespace, link
         "params": sum(p.numel() for p in module.parameters() if p.requires_grad),
     }
     result.update(summarize(recorder.steps))
+    if isinstance(codec, BucketRouter):  # what auto chose, and the costs it chose from
+        result["choice"] = codec.report_lines()
+        result["choice_costs"] = [dataclasses.asdict(b) for b in getattr(codec, "costs", [])]
     return result
 
 

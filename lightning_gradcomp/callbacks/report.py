@@ -167,6 +167,9 @@ class CompressionReport(Callback):
             "batch_size": hparams.get("batch_size"),
         }
         adaptive = _adaptive(trainer)
+        report_lines = getattr(state.codec if state is not None else None, "report_lines", None)
+        if report_lines is not None:  # what a codec that chooses (auto) chose
+            result["codec_report"] = list(report_lines())
         if adaptive is not None:
             # optimizer steps run at each compression level, as AdaptiveCompression set it
             result["level_steps"] = {f"{level:g}": n for level, n in sorted(adaptive.steps_at_level.items())}
@@ -193,6 +196,7 @@ class CompressionReport(Callback):
                 f"fallback: {result['fallback_buckets']} gradient bucket(s) went back to plain all-reduce, which the "
                 "first steps timed faster on this link (strategy option fallback: false always compresses)"
             )
+        lines += result.get("codec_report", [])
         if result.get("level_steps"):
             counts = ", ".join(f"{n} at {level}" for level, n in result["level_steps"].items())
             lines.append(f"adaptive compression level (steps at each level, 1 = the codec's setting): {counts}")

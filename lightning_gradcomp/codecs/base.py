@@ -41,6 +41,7 @@ from lightning_gradcomp import comm
 from lightning_gradcomp.codecs.extensions import (  # noqa: F401
     AdjustableCompression,
     AdjustableLevel,
+    BucketRouter,
     LearnedState,
     MultiRound,
     Prepared,
@@ -67,6 +68,7 @@ __all__ = [
     "Prepared",
     "AdjustableCompression",
     "AdjustableLevel",
+    "BucketRouter",
     "geometric_level",
     "DensityWarmup",
     "check_density_warmup",

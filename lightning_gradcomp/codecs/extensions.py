@@ -3,6 +3,7 @@ into a :class:`~lightning_gradcomp.codecs.base.Codec` subclass when the codec ne
 
 - :class:`LearnedState`: state learned during the run or kept across a restart;
 - :class:`MultiRound`: collectives of the codec's own, in the hook body;
+- :class:`BucketRouter`: a codec that hands each bucket to one of several codecs it holds;
 - :class:`AdjustableCompression`: the protocol of a compression level that callbacks drive, and
   :class:`AdjustableLevel`, that protocol for a knob between a light and the configured setting.
 
@@ -21,7 +22,15 @@ from lightning_gradcomp.codecs.options import check_fraction
 if TYPE_CHECKING:
     from lightning_gradcomp.codecs.base import RoundContext
 
-__all__ = ["LearnedState", "MultiRound", "Prepared", "AdjustableCompression", "AdjustableLevel", "geometric_level"]
+__all__ = [
+    "LearnedState",
+    "MultiRound",
+    "BucketRouter",
+    "Prepared",
+    "AdjustableCompression",
+    "AdjustableLevel",
+    "geometric_level",
+]
 
 
 class LearnedState:
@@ -117,6 +126,21 @@ class MultiRound:
         return a future of the averaged bucket. ``layers`` holds ``(key, gradient view, param)``;
         ``flag`` is a one-element fp32 tensor, 1.0 when this rank's bucket is not finite."""
         raise NotImplementedError(f"codec {self.name!r} declares collective 'custom' but has no protocol")
+
+
+class BucketRouter:
+    """Extension: a codec that hands each whole bucket to one of several codecs it holds (``auto``).
+
+    The hook calls :meth:`send_bucket` for every bucket of every step, warm-up included, instead of
+    choosing a path itself; the router sends the bucket through the hook's paths with the codec it
+    chose, and the fallback policy stays off (plain all-reduce is one of the router's choices).
+    """
+
+    def send_bucket(self, state: Any, bucket: Any, layers: list, flag: Tensor, step: int, key: str, compress: bool):
+        """Send ``bucket`` (``layers``: ``(key, gradient view, param)``; ``key``: the bucket's
+        name; ``compress``: whether the hook would compress this step) and return the future of
+        the averaged bucket."""
+        raise NotImplementedError
 
 
 @runtime_checkable

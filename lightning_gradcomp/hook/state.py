@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gradcomp.codecs.base import Codec, LearnedState, RoundContext
+from lightning_gradcomp.codecs.base import BucketRouter, Codec, LearnedState, RoundContext
 from lightning_gradcomp.fallback import FallbackPolicy
 from lightning_gradcomp.hook import allgather, allreduce, custom, dense
 from lightning_gradcomp.hook.consistency import check_codec_consistency, group_device, make_context
@@ -80,7 +80,8 @@ class CodecHookState:
         self.first_compress_step = 3 if static_graph else 2
         self.stats_every = int(stats_every)
         self.nonfinite = nonfinite
-        self.fallback = FallbackPolicy(enabled=fallback)
+        # a router chooses plain all-reduce itself, per bucket (codec "auto")
+        self.fallback = FallbackPolicy(enabled=False if isinstance(codec, BucketRouter) else fallback)
         self.step = 0
         self.memory = ResidualMemory()
         self.momentum_buffers = ResidualMemory()  # per-rank momentum of momentum correction
@@ -330,7 +331,9 @@ class CodecHookState:
         bucket_key = f"{keys[0]}..{keys[-1]}[{len(keys)}]" if keys else "empty"
         compress = self.compressing(step) and not fallback.falls_back(bucket_key)
         collective = self.codec.collective_at(step)
-        if not compress:
+        if isinstance(self.codec, BucketRouter):
+            fut = self.codec.send_bucket(self, bucket, layers, flag, step, bucket_key, compress)
+        elif not compress:
             fut = dense.send(self, buf, layers, flag, step)
         elif collective == "custom":
             fut = custom.send(self, bucket, layers, flag, step)

@@ -1,0 +1,174 @@
+"""``codec="auto"``: the cost model, its choice, and the choice in real 2-process gloo runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from dist_utils import run_gloo
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lightning_gradcomp import CompressedDDPStrategy, make_codec, make_comm_hook
+from lightning_gradcomp.codecs.auto import BucketCosts, LinkModel, choose_plan, predict_step, rank_plans
+
+MBIT = 1e6 / 8  # bytes per second in one Mbit/s
+
+
+def bucket(key, raw, gap, encode, decode, wire):
+    return BucketCosts(key, raw, gap, list(encode), list(decode), list(wire))
+
+
+# arms: 0 plain, 1 light (half the bytes, 2 ms to encode), 2 heavy (1/50 of the bytes, 10 ms)
+def arms_for(raw: float, gap: float = 0.0, key: str = "b") -> BucketCosts:
+    return bucket(key, int(raw), gap, [0.0, 0.002, 0.010], [0.0, 0.001, 0.002], [raw, raw / 2, raw / 50])
+
+
+def test_predicted_step_follows_the_formula():
+    b0, b1 = arms_for(4e6, 0.0, "b0"), arms_for(1e6, 0.05, "b1")
+    link = LinkModel(0.001, 100 * MBIT)
+    # plain: b0's collective 1 ms + 4e6/12.5e6 = 321 ms from t=0; b1 arrives at 50 ms, waits for the link
+    assert predict_step((0, 0), [b0, b1], link) == pytest.approx(0.321 + 0.001 + 0.08)
+    # heavy b0: encoded by 10 ms, on the link 1 + 6.4 ms, decoded 2 ms later; b1 (heavy) arrives at
+    # 10 + 50 + 10 ms, its collective ends 1 + 1.6 ms later, decoded 2 ms later
+    assert predict_step((2, 2), [b0, b1], link) == pytest.approx(0.070 + 0.001 + 0.0016 + 0.002)
+
+
+def test_the_plan_follows_the_link():
+    buckets = [arms_for(25e6, 0.0, "b0"), arms_for(20e6, 0.2, "b1"), arms_for(1e6, 0.1, "b2")]
+    fast, _ = choose_plan(buckets, [0, 1, 2], LinkModel(1e-4, 10_000 * MBIT))
+    slow, _ = choose_plan(buckets, [0, 1, 2], LinkModel(1e-3, 10 * MBIT))
+    assert fast == (0, 0, 0)  # encoding costs more than 10 Gbit/s takes to send
+    assert slow == (2, 2, 2)
+
+
+def test_communication_hidden_behind_backward_stays_plain():
+    # the first bucket's plain all-reduce (80 ms at 100 Mbit/s) ends before backward reaches the
+    # last bucket (300 ms later): compressing it saves nothing, and its encoding would cost backward
+    buckets = [arms_for(1e6, 0.0, "early"), arms_for(1e6, 0.3, "last")]
+    link = LinkModel(1e-3, 100 * MBIT)
+    plan, predicted = choose_plan(buckets, [0, 1, 2], link)
+    assert plan == (0, 2)
+    assert predicted == pytest.approx(0.3 + 0.010 + 0.001 + 0.0016 + 0.002)
+    # the plans timed next: the best few, fastest first, only those within the margin
+    ranked = rank_plans(buckets, [0, 1, 2], link, limit=3, margin=0.25)
+    assert ranked[0] == (predicted, (0, 2)) and len(ranked) == 3
+    assert all(t <= 1.25 * predicted for t, _ in ranked) and [t for t, _ in ranked] == sorted(t for t, _ in ranked)
+    assert rank_plans(buckets, [0, 1, 2], link, limit=9, margin=0.0) == [(predicted, (0, 2))]
+
+
+def test_the_level_bounds_the_arms():
+    buckets = [arms_for(25e6, 0.0, "b0")]
+    plan, _ = choose_plan(buckets, [0, 1], LinkModel(1e-3, 10 * MBIT))
+    assert plan == (1,)  # the heavy arm is not allowed: the light one is the fastest left
+    codec = make_codec("auto")
+    assert codec.allowed() == [0, 1, 2, 3, 4]
+    codec.set_level(0.0)
+    assert [codec.options.candidates[i] for i in codec.allowed()] == ["none", "fp16", "gradiveq:0"]
+    codec.set_level(0.5)
+    assert [codec.options.candidates[i] for i in codec.allowed()] == ["none", "fp16", "gradiveq:0", "gradiveq:0.5"]
+
+
+def test_link_change_is_relative():
+    link = LinkModel(0.002, 100 * MBIT)
+    assert not link.changed(LinkModel(0.0022, 90 * MBIT), relink=0.25)
+    assert link.changed(LinkModel(0.002, 10 * MBIT), relink=0.25)
+    assert link.changed(LinkModel(0.05, 100 * MBIT), relink=0.25)
+
+
+def test_bad_options_are_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="unknown codec 'nope'; available codecs: .*gradiveq"):
+        make_codec("auto", candidates=["none", "nope"])
+    with pytest.raises(ValueError, match="runs its own exchange"):
+        CompressedDDPStrategy(codec="auto", codec_options={"candidates": ["none", "powersgd"]})
+    with pytest.raises(ValueError, match="must include 'none'"):
+        make_codec("auto", candidates=["fp16", "gradiveq"])
+    with pytest.raises(ValueError, match="takes no level"):
+        make_codec("auto", candidates=["none", "fp16:0.5"])
+    with pytest.raises(ValueError, match="has no adjustable level"):
+        make_codec("auto", candidates=["none", "randk:0.5"])
+    with pytest.raises(ValueError, match="slack"):
+        make_codec("auto", slack=1.5)
+    with pytest.raises(ValueError, match="momentum"):
+        make_codec("auto", momentum=0.9)
+    # a comma-separated string, as YAML and the command line give it
+    assert make_codec("auto", candidates="none, fp16").options.candidates == ("none", "fp16")
+
+
+def test_the_strategy_turns_the_level_controller_on_for_auto_only():
+    assert CompressedDDPStrategy(codec="auto")._adaptive_callback is not None
+    assert CompressedDDPStrategy(codec="auto", adaptive_level=False)._adaptive_callback is None
+    assert CompressedDDPStrategy(codec="topk")._adaptive_callback is None
+
+
+# --------------------------------------------------------------------------------------------------
+# two processes: the plan is the same on every rank, and follows the link when it changes
+SLOW_BPS = 10e6 / 8  # the simulated link: 10 Mbit/s
+
+
+def _slow_blocking_collectives() -> None:
+    """From now on every blocking all-reduce in this process takes as long as on a 10 Mbit/s link
+    (the asynchronous ones of the hook are left alone): the link as auto's probe measures it."""
+    import time
+
+    original = dist.all_reduce
+
+    def slow(tensor, *args, **kwargs):
+        work = original(tensor, *args, **kwargs)
+        if not kwargs.get("async_op", False):
+            time.sleep(0.002 + 2 * tensor.numel() * tensor.element_size() / SLOW_BPS)
+        return work
+
+    dist.all_reduce = slow
+
+
+def _train_auto(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    ddp = DDP(model, bucket_cap_mb=0.5)  # several buckets
+    state, hook = make_comm_hook(
+        "auto",
+        ddp,
+        candidates=["none", "fp16", "gradiveq:1"],
+        probe_steps=1,
+        remeasure_every=2,
+        probe_bytes=1 << 16,
+    )
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(100 + rank)
+    codec = state.codec
+    plans, ratios = [], []
+    for step in range(16):
+        if step == 9:
+            _slow_blocking_collectives()
+        x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        plans.append(dict(codec.plan))
+        ratios.append(state.stats.pop().compression_ratio)
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return {
+        "plans": plans,
+        "ratios": ratios,
+        "links": codec.link,
+        "replans": codec.replans,
+        "weights": weights,
+        "wire": {b.key: b.wire for b in codec.costs},
+    }
+
+
+def test_every_rank_takes_the_same_plan_and_a_slower_link_changes_it():
+    r0, r1 = run_gloo(_train_auto, 2)
+    assert r0["plans"] == r1["plans"]
+    assert torch.equal(r0["weights"], r1["weights"])  # every rank applied the same averaged gradient
+    before, after = r0["plans"][8], r0["plans"][-1]
+    assert before, "no plan after the arms were timed"
+    assert after != before, f"the plan did not follow the slower link: {before}"
+    assert r0["replans"] >= 1
+    # the slow link's plan sends fewer bytes than the loopback one
+    wire = r0["wire"]
+    assert sum(wire[k][a] for k, a in after.items()) < sum(wire[k][a] for k, a in before.items())
+    assert 8 * r0["links"].bytes_per_s < 20e6  # the probe saw the 10 Mbit/s link
+    assert r0["ratios"][-1] > r0["ratios"][8]
