@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -149,7 +151,28 @@ def _train_auto(rank: int, world: int) -> dict:
         plans.append(dict(codec.plan))
         ratios.append(state.stats.pop().compression_ratio)
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    # a resumed run: a new model, wrapper and hook loaded from what a checkpoint keeps
+    saved, saved_rank = state.state_dict(), state.rank_state_dict()
+    resumed_model = copy.deepcopy(model)
+    resumed_ddp = DDP(resumed_model, bucket_cap_mb=0.5)
+    resumed, hook = make_comm_hook(
+        "auto", resumed_ddp, candidates=["none", "fp16", "gradiveq:1"], probe_steps=1, remeasure_every=2
+    )
+    resumed.load_state_dict(saved)
+    resumed.load_rank_state_dict(saved_rank, torch.device("cpu"))
+    resumed_ddp.register_comm_hook(resumed, hook)
+    ratios_after = {"continued": [], "resumed": []}
+    for _ in range(2):  # the new wrapper's first step has DDP's first bucket layout: sent plainly
+        x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+        for name, m, st in (("continued", ddp, state), ("resumed", resumed_ddp, resumed)):
+            m.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            ratios_after[name].append(st.stats.pop().compression_ratio)
     return {
+        "resumed_plan": dict(resumed.codec.plan),
+        "resumed_planned": resumed.codec.planned,
+        "resumed_ratio": ratios_after["resumed"][-1],
+        "continued_ratio": ratios_after["continued"][-1],
         "plans": plans,
         "ratios": ratios,
         "links": codec.link,
@@ -172,3 +195,7 @@ def test_every_rank_takes_the_same_plan_and_a_slower_link_changes_it():
     assert sum(wire[k][a] for k, a in after.items()) < sum(wire[k][a] for k, a in before.items())
     assert 8 * r0["links"].bytes_per_s < 20e6  # the probe saw the 10 Mbit/s link
     assert r0["ratios"][-1] > r0["ratios"][8]
+    # resumed from the checkpointed state, the plan and the bytes it sends are the same
+    for r in (r0, r1):
+        assert r["resumed_planned"] and r["resumed_plan"] == r["plans"][-1]
+        assert r["resumed_ratio"] == pytest.approx(r["continued_ratio"])

@@ -1213,3 +1213,22 @@ def test_codes_scores_exact_lossy_and_leader_codes_on_known_values():
     leader = codes.score(same, leaders, codes._per_layer(codes._leader_scaled(same, leaders)))
     assert leader["mean_error"] < 1e-6 and math.isnan(leader["rank_error"])
     assert codes.inter_rank_cosine(same) == pytest.approx(1.0)
+
+
+def test_shaped_starts_each_rank_like_a_node_and_refuses_bad_arguments(capsys):
+    from lightning_gradcomp.bench import shaped
+
+    topo = netns.Topology(2, "100mbit", tag="t")  # not brought up: its names and addresses only
+    args = SimpleNamespace(port=29640, hosts=2, python="python", out="/tmp/out")
+    cmd = shaped.rank_command(args, topo, 1, ["recipes/cifar10.py", "--trainer.strategy.codec", "auto"])
+    assert cmd[: len(topo.exec_prefix(1))] == topo.exec_prefix(1)
+    assert {"NODE_RANK=1", "WORLD_SIZE=2", "LOCAL_RANK=0", "MASTER_ADDR=10.77.0.1", "GLOO_SOCKET_IFNAME=gc1v"} <= set(
+        cmd
+    )
+    tail = cmd[cmd.index("recipes/cifar10.py") :]
+    assert tail[tail.index("--trainer.num_nodes") + 1] == "2" and tail[tail.index("--trainer.devices") + 1] == "1"
+    assert tail[-2:] == ["--trainer.strategy.codec", "auto"]  # the user's arguments come last and win
+    assert bench_main(["shaped", "--out", "/tmp/out"]) == 2
+    assert "give the recipe after --" in capsys.readouterr().err
+    assert bench_main(["shaped", "--change-rate", "10mbit", "--out", "/tmp/out", "--", "r.py"]) == 2
+    assert "go together" in capsys.readouterr().err

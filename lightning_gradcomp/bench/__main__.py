@@ -1,4 +1,4 @@
-"""``python -m lightning_gradcomp.bench {link,codecs,codes,accuracy,tta,memory,plot} [options]``."""
+"""``python -m lightning_gradcomp.bench {link,shaped,codecs,codes,accuracy,tta,memory,plot} [options]``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 COMMANDS = {
     "link": "step time over a real shaped network (namespaces + tc), every codec against the floor",
+    "shaped": "one recipe run across shaped hosts, one rank each, the link's rate changed mid-run if asked",
     "codecs": "encode + decode cost of each codec on real gradients, one process",
     "accuracy": "task metric against bytes sent: the recipes with a fixed budget per codec and seed",
     "codes": "what a code of lgc's shared-support values carries at equal bytes, learned or not, on real gradients",

@@ -280,6 +280,7 @@ def run_codec(name: str, options: dict[str, Any], args: argparse.Namespace, link
     if isinstance(codec, BucketRouter):  # what auto chose, and the costs it chose from
         result["choice"] = codec.report_lines()
         result["choice_costs"] = [dataclasses.asdict(b) for b in getattr(codec, "costs", [])]
+        result["choice_trials"] = list(getattr(codec, "trial_log", []))
     return result
 
 

@@ -105,6 +105,8 @@ class CompressionReport(Callback):
         if trainer.sanity_checking or not trainer.is_global_zero or self.monitor not in trainer.callback_metrics:
             return
         point = {"step": int(trainer.global_step), "metric": float(trainer.callback_metrics[self.monitor])}
+        if self._started is not None:  # wall-clock seconds since fit started: time to accuracy, measured
+            point["wall_s"] = time.perf_counter() - self._started
         if self.history and self.history[-1]["step"] == point["step"]:
             self.history[-1] = point  # validated twice at one step: the later value counts
         else:
