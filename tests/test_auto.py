@@ -199,3 +199,37 @@ def test_every_rank_takes_the_same_plan_and_a_slower_link_changes_it():
     for r in (r0, r1):
         assert r["resumed_planned"] and r["resumed_plan"] == r["plans"][-1]
         assert r["resumed_ratio"] == pytest.approx(r["continued_ratio"])
+
+
+def _level_flow(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 10))
+    ddp = DDP(model, bucket_cap_mb=0.1)
+    state, hook = make_comm_hook("auto", ddp, candidates=["none", "fp16", "gradiveq:1"], probe_steps=1)
+    ddp.register_comm_hook(state, hook)
+    codec = state.codec
+    codec.set_level(0.0)  # as AdaptiveCompression does in a critical regime
+    gen = torch.Generator().manual_seed(rank)
+    rows = []
+    for step in range(24):
+        if step == 12:
+            codec.set_level(1.0)  # between two steps, as the callback does
+        x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+        ddp.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        # the arms every bucket of this step went through (the marks of the step just sent)
+        used = sorted({m[1] for m in codec._marks})
+        rows.append({"step": step, "level": codec.compression_level, "used": used, "explored": list(codec.explored)})
+    return {"rows": rows, "plan": dict(codec.plan), "planned": codec.planned}
+
+
+def test_the_level_bounds_every_step_and_a_newly_allowed_arm_is_timed_first():
+    (out,) = run_gloo(_level_flow, 1)
+    rows = out["rows"]
+    for r in rows:
+        if r["level"] == 0.0:
+            assert 2 not in r["used"], r  # gradiveq (level 1) never at level 0
+    assert rows[11]["explored"][2] == 0  # not timed while it was not allowed
+    first = next(r for r in rows if 2 in r["used"])
+    assert first["step"] >= 12 and first["used"] == [2]  # its first use: an exploration step, every bucket
+    assert rows[-1]["explored"][2] == 1 and out["planned"]

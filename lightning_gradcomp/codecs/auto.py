@@ -464,7 +464,9 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
             self.explored[self._step_arm] += 1
         self._step_arm = self.exploring_arm()
         if self._step_arm is not None:
-            self.plan = {}  # exploration steps send every bucket through the arm being timed
+            # exploration steps send every bucket through the arm being timed; plans on trial are
+            # timed again once it is done, with that arm among them
+            self.plan, self._trials, self._trial_times = {}, [], []
             return
         if self._trials:
             self._trial_step(step_s)
