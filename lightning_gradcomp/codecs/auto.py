@@ -416,7 +416,7 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
 
         buf = bucket.buffer()
         clock = clock_for(buf.device)
-        arrive = clock.mark()
+        arrive = clock.mark() if not self.planned or self._replan else 0.0
         if compress and self._first_compressed is None:
             self._first_compressed = step
         if not compress:
@@ -439,6 +439,8 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
             path = allreduce if arm.collective == "allreduce" else allgather
             fut = path.send(view, buf, encode_layers(view, buf, layers, step), flag, step)
             wire = 0.0
+        if self.planned and not self._replan:
+            return fut  # a kept plan: nothing to time (no mark, no wait for the device at step end)
         entry = [key, arm_i, arrive, clock.mark(), None, tap, wire]
         self._marks.append(entry)
 
