@@ -120,7 +120,7 @@ class AutoOptions(CodecOptions):
     remeasure_every: int = 100
     relink: float = 0.25
     probe_bytes: int = 1 << 20
-    slack: float = 0.05
+    slack: float = 0.02
 
     def check(self) -> None:
         candidates = self.candidates
@@ -311,9 +311,8 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
         remeasure_every: optimizer steps between link measurements after a plan (default 100).
         relink: relative change of the link's bandwidth or latency that makes a new plan (0.25).
         probe_bytes: the size of the timed all-reduce that measures the bandwidth (1 MiB).
-        slack: timed plans within this fraction of the fastest count as equally fast (one step's
-            time varies by about as much); the one that sends the fewest bytes of them is kept,
-            as the least exposed to the link (default 0.05).
+        slack: timed plans within this fraction of the fastest count as equally fast; the one that
+            sends the fewest bytes of them is kept, as the least exposed to the link (default 0.02).
     """
 
     collective = "allreduce"  # the plain path's; each bucket goes the way of its arm
@@ -330,6 +329,7 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
         self.plain = self.options.candidates.index(PLAIN)
         self.link: LinkModel | None = None  # of the plan in use
         self.plan: dict[str, int] = {}
+        self.kept: dict[str, int] = {}  # the last plan kept after its trial
         self.predicted_s: float | None = None
         self.measured_s: float | None = None  # the kept plan's step time, as timed in its trial
         self.costs: list[BucketCosts] = []  # averaged over the ranks, when the arms were timed
@@ -546,15 +546,13 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
         self.context.agree(comm.digest(repr(sorted(self.plan.items()))), "auto's plan")
         self.predicted_s = predicted
         self.measured_s = None if measured is None else measured[index]
-        self.replans += 1 if self._kept_before else 0
-        self._kept_before = True
+        self.replans += 1 if self.kept else 0
+        self.kept = dict(self.plan)
         tried = "" if measured is None else " (timed: " + ", ".join(f"{1e3 * m:.0f} ms" for m in measured) + ")"
         log.info(
             "gradcomp auto (%s): link %s -> %s%s", self._trial_reason, self.link.describe(), self.describe_plan(), tried
         )
         self._trials, self._trial_times = [], []
-
-    _kept_before = False
 
     def _read_marks(self, step: int) -> float | None:
         """This step's per-bucket timings into the samples; returns the step's time from its first
@@ -621,13 +619,14 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
 
     def report_lines(self) -> list[str]:
         """What the end-of-fit report says of the choice."""
-        if not self.planned or self.link is None:
+        if not self.kept or self.link is None:
             return ["auto: no plan was kept (the run ended while its arms or plans were being timed)"]
         timed = "" if self.measured_s is None else f", {1e3 * self.measured_s:.0f} ms a step as timed"
+        ending = "" if self.planned else "; the run ended while a new plan was being timed"
         return [
-            f"auto: link {self.link.describe()}; {self.describe_plan()} (predicted "
+            f"auto: link {self.link.describe()}; {self.describe_plan(self.kept)} (predicted "
             f"{1e3 * (self.predicted_s or 0):.0f} ms of communication after the first bucket{timed}); "
-            f"{self.replans} re-plan(s) after the first"
+            f"{self.replans} re-plan(s) after the first{ending}"
         ]
 
     # ----------------------------------------------------------------------------------------------
@@ -646,6 +645,7 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
         return {
             **self.level_state(),
             "plan": list(self.plan.items()),
+            "kept": list(self.kept.items()),
             "link": list(self.link) if self.link is not None else None,
             "predicted_s": self.predicted_s,
             "measured_s": self.measured_s,
@@ -667,6 +667,7 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
             if isinstance(arm, LearnedState):
                 arm.load_state_dict(s)
         self.plan = {str(k): int(a) for k, a in rest.get("plan", [])}
+        self.kept = {str(k): int(a) for k, a in rest.get("kept", rest.get("plan", []))}
         link = rest.get("link")
         self.link = LinkModel(*link) if link else None
         self.predicted_s = rest.get("predicted_s")
@@ -674,7 +675,6 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
         self.costs = [BucketCosts(**b) for b in rest.get("costs", [])]
         self.explored = [int(x) for x in rest.get("explored", self.explored)]
         self.replans = int(rest.get("replans", 0))
-        self._kept_before = bool(self.plan)
         self._last_measure = int(rest.get("last_measure", -1))
         self._first_compressed = rest.get("first_compressed")
         if not self.plan:  # saved while timing: time again from the start
