@@ -79,6 +79,7 @@ __all__ = [
     "AutoOptions",
     "LinkModel",
     "BucketCosts",
+    "plan_bytes",
     "predict_step",
     "rank_plans",
     "choose_plan",
@@ -92,6 +93,8 @@ PLAIN = "none"
 LEVEL_ZERO = (PLAIN, "fp16")
 #: above this many plans the search is coordinate descent instead of exhaustive
 EXHAUSTIVE_PLANS = 50_000
+#: plans predicted within this fraction of the fastest are worth timing
+TRIAL_MARGIN = 0.25
 
 
 def parse_arm(spec: str) -> tuple[str, float]:
@@ -188,6 +191,11 @@ class BucketCosts:
     wire: list[float]
 
 
+def plan_bytes(plan: tuple[int, ...], buckets: list[BucketCosts]) -> float:
+    """The bytes one rank transmits a step under ``plan``."""
+    return sum(b.wire[a] for a, b in zip(plan, buckets))
+
+
 def predict_step(plan: tuple[int, ...], buckets: list[BucketCosts], link: LinkModel) -> float:
     """The time from the first bucket's arrival until every bucket's result is ready (the module
     docstring's cost model)."""
@@ -200,7 +208,7 @@ def predict_step(plan: tuple[int, ...], buckets: list[BucketCosts], link: LinkMo
 
 
 def rank_plans(
-    buckets: list[BucketCosts], allowed: list[int], link: LinkModel, limit: int = 3, margin: float = 0.25
+    buckets: list[BucketCosts], allowed: list[int], link: LinkModel, limit: int = 3, margin: float = TRIAL_MARGIN
 ) -> list[tuple[float, tuple[int, ...]]]:
     """Up to ``limit`` plans (one arm index per bucket, from ``allowed``) with their predicted
     times, fastest first, those predicted within ``margin`` (relative) of the fastest; equal
@@ -220,11 +228,7 @@ def rank_plans(
                     options = [(predict_step(tuple(plan[:i] + [a] + plan[i + 1 :]), buckets, link), a) for a in allowed]
                     plan[i] = min(options)[1]
             plans.add(tuple(plan))
-
-    def bytes_sent(p: tuple[int, ...]) -> float:
-        return sum(b.wire[a] for a, b in zip(p, buckets))
-
-    scored = sorted(((predict_step(p, buckets, link), -bytes_sent(p), p) for p in plans))
+    scored = sorted(((predict_step(p, buckets, link), -plan_bytes(p, buckets), p) for p in plans))
     best = scored[0][0]
     return [(t, p) for t, _, p in scored if t <= best * (1 + margin)][:limit]
 
@@ -416,7 +420,9 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
 
         buf = bucket.buffer()
         clock = clock_for(buf.device)
-        arrive = clock.mark() if not self.planned or self._replan else 0.0
+        # a kept plan needs no timing: no mark, no wait for the device at step end
+        timing = not self.planned or self._replan is not None
+        arrive = clock.mark() if timing else 0.0
         if compress and self._first_compressed is None:
             self._first_compressed = step
         if not compress:
@@ -430,18 +436,16 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
         self._raw[key] = buf.numel() * buf.element_size()
         arm = self.arms[arm_i]
         tap = None
-        if arm_i == self.plain:
+        if arm_i == self.plain:  # its bytes and costs come from the link model
             fut = dense.send(state, buf, layers, flag, step)
-            wire = comm.wire_bytes("allreduce", (buf.numel() + 1) * buf.element_size(), self.world_size)
         else:
             view = _ArmView(state, arm)
             tap = view.stats
             path = allreduce if arm.collective == "allreduce" else allgather
             fut = path.send(view, buf, encode_layers(view, buf, layers, step), flag, step)
-            wire = 0.0
-        if self.planned and not self._replan:
-            return fut  # a kept plan: nothing to time (no mark, no wait for the device at step end)
-        entry = [key, arm_i, arrive, clock.mark(), None, tap, wire]
+        if not timing:
+            return fut
+        entry = [key, arm_i, arrive, clock.mark(), None, tap]
         self._marks.append(entry)
 
         def done(f: Any) -> Tensor:
@@ -502,7 +506,9 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
         # CPU) shows in the timed steps
         uniform = [(predict_step(p, self.costs, link), p) for p in (tuple([a] * len(self.costs)) for a in allowed)]
         best = ranked[0][0]
-        extra = [tp for tp in sorted(uniform) if tp[0] <= best * 1.25 and tp[1] not in {p for _, p in ranked}]
+        extra = [
+            tp for tp in sorted(uniform) if tp[0] <= best * (1 + TRIAL_MARGIN) and tp[1] not in {p for _, p in ranked}
+        ]
         self._trials = ranked + extra
         self._trial_times = [[] for _ in self._trials]
         self._trial_reason = reason
@@ -530,15 +536,11 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
         means = (times / self.world_size).tolist()
         best = min(means)
         near = [i for i, m in enumerate(means) if m <= best * (1 + self.options.slack)]
-
-        def bytes_sent(i: int) -> float:
-            return sum(b.wire[a] for a, b in zip(self._trials[i][1], self.costs))
-
         self.trial_log = [
             {"plan": [self.options.candidates[a] for a in p], "predicted_s": t, "timed_s": m}
             for (t, p), m in zip(self._trials, means)
         ]
-        self._keep(min(near, key=lambda i: (bytes_sent(i), means[i])), means)
+        self._keep(min(near, key=lambda i: (plan_bytes(self._trials[i][1], self.costs), means[i])), means)
 
     def _keep(self, index: int, measured: list[float] | None) -> None:
         predicted, plan = self._trials[index]
@@ -564,7 +566,7 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
         clock.synchronize()
         now = clock.mark()
         order, prev_end, prev_done = [], None, 0.0
-        for key, arm_i, arrive, body_end, done, tap, wire in marks:
+        for key, arm_i, arrive, body_end, done, tap in marks:
             if done is None:  # a bucket whose result never arrived (a failed step): nothing to learn
                 return None
             a, e, d = clock.seconds(arrive), clock.seconds(body_end), clock.seconds(done)
@@ -573,8 +575,8 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
             prev_end = e
             result = d - max(e, prev_done)
             prev_done = max(prev_done, d)
-            if arm_i != self.plain:
-                sample = (e - a, result, tap.wire if tap is not None else wire)
+            if tap is not None:  # an arm other than plain
+                sample = (e - a, result, tap.wire)
                 self._samples.setdefault((arm_i, key), deque(maxlen=8)).append(sample)
         self._order = order
         return clock.elapsed(marks[0][2], now)
