@@ -174,7 +174,6 @@ def run_config(args: argparse.Namespace, codecs: list[str], hosts: int, rate: st
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("rank*.json"):
         old.unlink()
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     fast = rate is not None and not args.no_fast_warmup
     topo = None
     procs: list[subprocess.Popen] = []
@@ -189,21 +188,10 @@ def run_config(args: argparse.Namespace, codecs: list[str], hosts: int, rate: st
         else:
             master, port = "127.0.0.1", _free_port()
         for r in range(hosts):
-            iface = topo.ifaces[r] if topo else "lo"
-            env = {
-                "MASTER_ADDR": master,
-                "MASTER_PORT": str(port),
-                "WORLD_SIZE": str(hosts),
-                "NODE_RANK": str(r),
-                "LOCAL_RANK": "0",
-                "GLOO_SOCKET_IFNAME": iface,
-                "OMP_NUM_THREADS": "1",
-            }
-            cmd = (topo.exec_prefix(r) if topo else []) + ["env"] + [f"{k}={v}" for k, v in env.items()]
-            cmd += ["taskset", "-c", str(cores[r % len(cores)])] if _has("taskset") else []
+            cmd = netns.rank_prefix(r, hosts, master, port, topo)
             cmd += [sys.executable, "-m", "lightning_gradcomp.bench.worker"] + worker_args(args, codecs, out)
             if topo:
-                cmd += ["--iface", iface, "--rate", rate]
+                cmd += ["--iface", topo.ifaces[r], "--rate", rate]
                 if fast:
                     cmd += ["--warmup-rate", "1gbit"]
             with open(out / f"rank{r}.log", "w") as log:
@@ -237,12 +225,6 @@ def run_config(args: argparse.Namespace, codecs: list[str], hosts: int, rate: st
         "error": error,
         "wall_s": time.perf_counter() - t0,
     }
-
-
-def _has(tool: str) -> bool:
-    import shutil
-
-    return shutil.which(tool) is not None
 
 
 def rows_of(config: dict[str, Any], model: str) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-__all__ = ["PREFIX", "Topology", "available", "cleanup", "list_namespaces", "parse_rate"]
+__all__ = ["PREFIX", "Topology", "available", "cleanup", "list_namespaces", "parse_rate", "rank_prefix"]
 
 PREFIX = "lgcb"
 BURST = "256kb"
@@ -198,3 +198,22 @@ class Topology:
 def shape_command(action: str, iface: str, rate: str) -> list[str]:
     """``tc qdisc {add,change} dev IF root tbf rate R burst 256kb latency 50ms``."""
     return ["tc", "qdisc", action, "dev", iface, "root", "tbf", "rate", rate, "burst", BURST, "latency", LATENCY]
+
+
+def rank_prefix(rank: int, hosts: int, master: str, port: int, topo: Topology | None = None) -> list[str]:
+    """The command prefix that starts rank ``rank`` the way a multi-node Lightning user starts a
+    node: on its host (``topo``'s namespace; ``None``: loopback), with Lightning's environment
+    (``MASTER_ADDR``, ``NODE_RANK``, ``WORLD_SIZE``, ``LOCAL_RANK=0``, gloo's interface) and pinned
+    to one core with ``taskset`` where it exists (core ``rank`` modulo the usable cores)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    env = {
+        "MASTER_ADDR": master,
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(hosts),
+        "NODE_RANK": str(rank),
+        "LOCAL_RANK": "0",
+        "GLOO_SOCKET_IFNAME": topo.ifaces[rank] if topo else "lo",
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = (topo.exec_prefix(rank) if topo else []) + ["env"] + [f"{k}={v}" for k, v in env.items()]
+    return cmd + (["taskset", "-c", str(cores[rank % len(cores)])] if shutil.which("taskset") else [])

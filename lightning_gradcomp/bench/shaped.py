@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -48,24 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def rank_command(args: argparse.Namespace, topo: netns.Topology, rank: int, recipe: list[str]) -> list[str]:
     """The command that starts rank ``rank`` of the recipe on its host."""
-    env = {
-        "MASTER_ADDR": topo.addrs[0],
-        "MASTER_PORT": str(args.port),
-        "WORLD_SIZE": str(args.hosts),
-        "NODE_RANK": str(rank),
-        "LOCAL_RANK": "0",
-        "GLOO_SOCKET_IFNAME": topo.ifaces[rank],
-        "OMP_NUM_THREADS": "1",
-    }
-    core = str(rank % (os.cpu_count() or 1))
     report = str(Path(args.out) / "report.json")
     return [
-        *topo.exec_prefix(rank),
-        "env",
-        *(f"{k}={v}" for k, v in env.items()),
-        "taskset",
-        "-c",
-        core,
+        *netns.rank_prefix(rank, args.hosts, topo.addrs[0], args.port, topo),
         args.python,
         *recipe[:1],
         "--trainer.num_nodes",
