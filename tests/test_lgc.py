@@ -53,6 +53,8 @@ def _mlp() -> nn.Module:
         (dict(selection="random"), "selection must be one of"),
         (dict(start_step=5), "warmup_steps and ae_train_steps"),
         (dict(max_recon_error=0), "max_recon_error must be a positive number"),
+        (dict(density_warmup=-3), "density_warmup must be an integer >= 0"),
+        (dict(density_warmup_start=1.5), "density_warmup_start must be in"),
     ],
 )
 def test_invalid_options_name_the_option(opts, match):
@@ -463,3 +465,64 @@ def test_run_time_guard_sends_exact_values_when_the_code_fails(guarded_runs, bre
             assert a["err_sq"] < a["ref_sq"]  # exact on the support: less error than sending nothing
         else:
             assert a["used"] == (len(ks), len(ks)) and a["payload"] == bcast + 4 * (sum(lat) + dense)
+
+
+# --------------------------------------------------------------------------------------------------
+# the density warm-up: DGC's falling density on the shared support instead of a dense stage 1
+DW_STEPS, DW_TRAIN, DW_STAGE3 = 4, 3, 2
+
+
+def _density_warmup_run(rank: int, world: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_gradcomp.api import make_comm_hook
+
+    torch.manual_seed(0)
+    model = _mlp()
+    ddp = DDP(model)
+    opts = dict(OPTS, code="levels", warmup_steps=0, density_warmup=DW_STEPS, ae_train_steps=DW_TRAIN)
+    state, hook = make_comm_hook("lgc", ddp, **opts)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(100 + rank)
+    steps, sample_steps = [], []
+    for step in range(DW_STEPS + DW_TRAIN + DW_STAGE3):
+        x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        st = state.stats.pop()
+        nonzero = [int((p.grad != 0).sum()) for p in model.parameters() if p.numel() >= 1000]
+        steps.append({"stage": state.codec.stage(step), "wire": st.wire_bytes, "nonzero": nonzero})
+        sample_steps.extend(s[1] for s in state.codec._samples if s[1] not in sample_steps)
+        opt.step()
+    return {
+        "steps": steps,
+        "sample_steps": sample_steps,
+        "switch": state.codec.ae_start_step,
+        "trained": state.codec.ae_trained,
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+def test_density_warmup_sends_a_falling_share_then_the_learned_code_trains_on_the_target_density():
+    """With ``warmup_steps=0, density_warmup=4`` only steps 0-1 are dense (the hook's floor): the
+    shared support shrinks from 25 % (at step 0) towards ``ratio``, reached at step 4, stage 2 then
+    collects ``ae_train_steps`` steps at ``ratio`` only (the code learns the values it will carry),
+    and the switch comes after both."""
+    res = run_gloo(_density_warmup_run, world_size=2, timeout=300)
+    r0, r1 = res
+    assert all((a == b).all() for a, b in zip(r0["params"], r1["params"])), "ranks diverged"
+    assert r0["switch"] == DW_STEPS + DW_TRAIN and r0["trained"] and r1["trained"]
+    assert [s["stage"] for s in r0["steps"]] == [1, 1] + [2] * (DW_STEPS + DW_TRAIN - 2) + [3] * DW_STAGE3
+    sizes = [p.numel() for p in _mlp().parameters() if p.numel() >= 1000]
+    target = [math.ceil(RATIO * n) for n in sizes]
+    warm = r0["steps"][2:DW_STEPS]
+    for s in warm:  # denser than the target, at most the warm-up's start
+        assert all(t < k <= math.ceil(0.25 * n) for k, t, n in zip(s["nonzero"], target, sizes)), s["nonzero"]
+    assert warm[0]["wire"] > warm[1]["wire"] > r0["steps"][DW_STEPS]["wire"]  # the share falls
+    for s in r0["steps"][DW_STEPS : DW_STEPS + DW_TRAIN]:  # stage 2 at the target density
+        assert all(k <= t for k, t in zip(s["nonzero"], target))
+        assert s["wire"] == pytest.approx(_expected_wire(2, "rar", 2))
+    # the levels learned only from steps at the target density
+    assert r0["sample_steps"] and min(r0["sample_steps"]) >= DW_STEPS
+    assert r0["steps"][0]["wire"] > 5 * warm[0]["wire"] > 0  # step 0 is the dense all-reduce

@@ -5,8 +5,11 @@ run's own gradients early in training: by default scalar magnitude levels, or th
 convolutional autoencoder (AE, :mod:`~lightning_gradcomp.codecs.lgc_autoencoder`). Training runs
 in three stages, switched on the same global optimizer step on every rank:
 
-1. ``step < warmup_steps``: dense all-reduce.
-2. ``warmup_steps <= step < warmup_steps + ae_train_steps``: top-k on a *shared support* with error
+1. ``step < warmup_steps``: dense all-reduce. With ``density_warmup`` (DGC's warm-up of sparsity)
+   the next ``density_warmup`` steps already send the shared support of stage 2, but denser: its
+   fraction falls exponentially from ``density_warmup_start`` (25 %) to ``ratio``. Steps 0 and 1
+   are always dense.
+2. the next ``ae_train_steps`` steps: top-k on a *shared support* with error
    feedback. Every step a leader (rank ``step % N``) picks each layer's top-k positions ``S``
    (``k = ceil(ratio * numel)``) and broadcasts them; every rank sends its values ``v_i = x_i[S]``
    (all-gather), so each rank sums ``sum_i v_i`` and also sees every ``v_i``: the code's training data.
@@ -82,7 +85,7 @@ from lightning_gradcomp.codecs.base import (
 )
 from lightning_gradcomp.codecs.lgc_autoencoder import GradientAutoencoder
 from lightning_gradcomp.codecs.positions import choose_encoding, decode_positions, encode_positions, encoded_nbytes
-from lightning_gradcomp.codecs.sampling import keep_count, select_top
+from lightning_gradcomp.codecs.sampling import DensityWarmup, check_density_warmup, keep_count, select_top
 from lightning_gradcomp.registry import register_codec
 
 __all__ = ["LGCCodec", "LGCOptions", "GradientAutoencoder", "MIN_AE_LEN"]
@@ -127,6 +130,8 @@ class LGCOptions(CodecOptions):
     warmup_steps: int | float = 0.05
     ae_train_steps: int | float = 0.1
     ratio: float = 1e-2
+    density_warmup: int | float = 0
+    density_warmup_start: float = 0.25
     innovation_ratio: float = 1e-5
     latent_channels: int = 4
     ae_width: int = 16
@@ -152,6 +157,7 @@ class LGCOptions(CodecOptions):
         if self.ae_train_steps == 0:
             raise ValueError("ae_train_steps must be >= 1 step (or a fraction of the run): the AE trains on stage 2")
         self._set("ratio", check_fraction("ratio", self.ratio))
+        check_density_warmup(self)
         self._set("innovation_ratio", check_fraction("innovation_ratio", self.innovation_ratio))
         if self.innovation_ratio >= self.ratio:
             raise ValueError(f"innovation_ratio must be below ratio ({self.ratio}), got {self.innovation_ratio}")
@@ -196,6 +202,14 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         ae_train_steps: stage 2, shared-support top-k while gradients are collected: steps or a
             fraction of the run (capped at SOFF's 300 rounds; default 0.1). The AE is trained at
             its end.
+        density_warmup: DGC's warm-up of sparsity after stage 1: over this many steps (an int) or
+            this fraction of the run (a float in (0, 1), capped at 200 steps) the shared support's
+            fraction falls exponentially from ``density_warmup_start`` to ``ratio``; stage 2 and
+            its collection of the learned code's training data start after it. Default 0: off.
+            With ``warmup_steps=0`` it replaces the dense stage 1 (docs/codecs/lgc.md, "The dense
+            warm-up").
+        density_warmup_start: the support's fraction at the start of the density warm-up
+            (default 0.25, DGC's).
         ratio: fraction of each layer's entries on the shared support (default 1e-2; SOFF's
             rho_g is 1e-3, which trained clearly worse than plain all-reduce here, see
             docs/codecs/lgc.md). The support travels as an Elias-Fano code (about
@@ -305,9 +319,16 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         return run_steps(self.options.warmup_steps, self.run_total_steps, WARMUP_CAP)
 
     @property
+    def density_warmup_end(self) -> int:
+        """First step after the density warm-up, which follows stage 1 (``warmup_end`` if it is off)."""
+        return self.warmup_end + run_steps(self.options.density_warmup, self.run_total_steps, WARMUP_CAP)
+
+    @property
     def ae_start_step(self) -> int:
-        """First step of stage 3."""
-        return self.warmup_end + max(1, run_steps(self.options.ae_train_steps, self.run_total_steps, AE_TRAIN_CAP))
+        """First step of stage 3: ``ae_train_steps`` after the density warm-up, if any."""
+        return self.density_warmup_end + max(
+            1, run_steps(self.options.ae_train_steps, self.run_total_steps, AE_TRAIN_CAP)
+        )
 
     def stage(self, step: int) -> int:
         """1 (dense), 2 (shared-support top-k, collecting) or 3 (learned code) at ``step``."""
@@ -343,9 +364,16 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         ratio = self.options.ratio
         return geometric_level(min(max(10 * ratio, ratio), 0.25), ratio, self.compression_level)
 
-    def k_for(self, numel: int) -> int:
-        """Size of a layer's shared support: ``ceil(kept_fraction * numel)``, at least 1."""
-        return keep_count(self.kept_fraction, numel)
+    def k_for(self, numel: int, step: int | None = None) -> int:
+        """Size of a layer's shared support at ``step``: ``ceil(f * numel)``, at least 1, with ``f``
+        the kept fraction, denser during the density warm-up (``None``: after it)."""
+        fraction = self.kept_fraction
+        if step is not None:
+            o = self.options
+            fraction = DensityWarmup(o.density_warmup, o.density_warmup_start, WARMUP_CAP).fraction(
+                fraction, step, self.warmup_end, self.run_total_steps
+            )
+        return keep_count(fraction, numel)
 
     def innovation_k(self, numel: int) -> int:
         """``"ps"``: innovation values a rank sends for a layer, at most the support's size."""
@@ -374,7 +402,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         is_leader = self.rank == leader
         device = layers[0][1].device
         numels = [x.numel() for _, x, _ in layers]
-        sizes = [self.k_for(n) for n in numels]
+        sizes = [self.k_for(n, step) for n in numels]
         encodings = [choose_encoding("auto", k, n) for k, n in zip(sizes, numels)]
         code_bytes = [encoded_nbytes(e, k, n) for e, k, n in zip(encodings, sizes, numels)]
         use_ae = [stage == 3 and k >= MIN_AE_LEN and key in self._ae_layers for (key, _, _), k in zip(layers, sizes)]
@@ -552,7 +580,8 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         if not coded:  # stage 2, a layer too short for the code, or one the guard sent exactly
             values = torch.stack([p[0].float() for p in payloads])
             out[idx] = values.sum(0)
-            if self.stage(step) == 2 and k >= MIN_AE_LEN and step >= self.ae_start_step - self.options.ae_samples:
+            first_kept = max(self.ae_start_step - self.options.ae_samples, self.density_warmup_end)
+            if self.stage(step) == 2 and k >= MIN_AE_LEN and step >= first_kept:
                 with self._samples_lock:
                     # kept on the values' device: a copy to the host here would wait for the GPU
                     # once per layer; they move to the CPU only when checkpointed
