@@ -1082,6 +1082,56 @@ def test_tta_charges_warm_up_steps_at_none_pace_and_borrows_step_times_of_a_conf
     assert "none's step time" in result["meta"]["caption"]
 
 
+def test_tta_charges_the_light_steps_of_an_adaptive_run_beyond_the_timed_ratio():
+    """A run under AdaptiveCompression whose last step was light has no steady ratio of its own:
+    the bytes beyond those of the steps the link timed (ratio 100) are charged as dense steps."""
+    acc, link_data = _tta_inputs()
+    light = 150 / (20 + 130 / 100)  # 150 steps that sent as much as 20 dense steps and 130 at 100x
+    acc["rows"].append(
+        {
+            **_acc_row("topk@adaptive", 0, [(50, 0.5), (100, 0.56), (150, 0.6)], 0.6),
+            "compression_ratio": light,
+            "compression_ratio_last": 4.0,  # the last step ran at the light level
+            "raw": {"level_steps": {"0": 30, "1": 120}},
+        }
+    )
+    for r in link_data["rows"]:
+        if r["codec"] == "topk":
+            r["compression_ratio"] = 100.0
+    assert tta.dense_equivalent_steps(acc["rows"][-1:]) == 0  # the last step's ratio hides them
+    got = {r["codec"]: r for r in tta.compute(acc, link_data, ["100mbit"], hosts=2)["rows"]}
+    row = got["topk@adaptive"]
+    assert row["note"] == "step time of topk" and row["dense_steps"] == pytest.approx(20)
+    assert row["tta_s"] == pytest.approx(100 * 1.3 + 20 * (4.0 - 1.3))
+    # without a timed ratio the run's own is all there is
+    for r in link_data["rows"]:
+        r.pop("compression_ratio", None)
+    got = {r["codec"]: r for r in tta.compute(acc, link_data, ["100mbit"], hosts=2)["rows"]}
+    assert got["topk@adaptive"]["dense_steps"] == 0
+
+
+def test_accuracy_figure_draws_the_chosen_codecs_in_their_order(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    from lightning_gradcomp.bench import plot
+
+    acc, link_data = _tta_inputs()
+    drawn: list[str] = []
+    original = Axes.plot
+
+    def spy(self, *args, **kwargs):
+        drawn.append(kwargs.get("label"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", spy)
+    paths_ = plot.plot_accuracy_vs_time(acc, link_data, tmp_path, rate="100mbit", codecs=["powersgd", "none", "x"])
+    assert [p.name for p in paths_] == ["accuracy_vs_time_100mbit.png"]
+    assert drawn == ["powersgd", "none"]  # an unknown label is skipped
+    drawn.clear()
+    plot.plot_accuracy_vs_time(acc, link_data, tmp_path, rate="100mbit")
+    assert drawn == ["none", "powersgd", "topk", "lgc"]
+
+
 def test_tta_command_writes_json_csv_and_table(tmp_path, capsys):
     acc, link_data = _tta_inputs()
     (tmp_path / "acc.json").write_text(json.dumps(acc))

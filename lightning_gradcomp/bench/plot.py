@@ -186,10 +186,12 @@ def plot_accuracy_vs_time(
     rate: str = TIME_RATE,
     hosts: int = TIME_HOSTS,
     target: float | None = None,
+    codecs: list[str] | None = None,
 ) -> list[Path]:
     """Test accuracy against wall-clock time on one link: each codec's validation steps (mean over
     seeds, min and max as a band) times its median step time there; none's final accuracy dashed,
-    99 % of it dash-dotted (and ``target``, when given, dotted)."""
+    99 % of it dash-dotted (and ``target``, when given, dotted). ``codecs``: the labels to draw, in
+    that order (default: all)."""
     if not any(r.get("history") for r in acc.get("rows", [])):
         return []
     try:
@@ -198,7 +200,8 @@ def plot_accuracy_vs_time(
         return []
     step_s = {r["codec"]: r["step_s"] for r in result["rows"] if r.get("step_s")}
     dense = {r["codec"]: r.get("dense_steps") or 0.0 for r in result["rows"]}
-    curves = {c: pts for c, pts in result["curves"].items() if pts and c in step_s}
+    order = codecs if codecs is not None else list(result["curves"])
+    curves = {c: result["curves"][c] for c in order if result["curves"].get(c) and c in step_s}
     if not curves:
         return []
     plt = _pyplot()
@@ -237,9 +240,13 @@ def plot_tta_figures(args: argparse.Namespace) -> list[Path]:
     inputs and options (tta computes and never imports this module; the command line runs this
     after it)."""
     acc, link = read_json(args.accuracy), read_json(args.link)
+    wanted = getattr(args, "figure_codecs", None)
+    codecs = [c for c in wanted.split(",") if c] if wanted else None
     drawn: list[Path] = []
     for rate in [r for r in args.rates.split(",") if r]:
-        drawn += plot_accuracy_vs_time(acc, link, Path(args.figure), rate=rate, hosts=args.hosts, target=args.target)
+        drawn += plot_accuracy_vs_time(
+            acc, link, Path(args.figure), rate=rate, hosts=args.hosts, target=args.target, codecs=codecs
+        )
     return drawn
 
 

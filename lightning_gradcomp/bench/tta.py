@@ -19,7 +19,9 @@ each codec and rate:
   ``none``'s step time. Their number is what the accuracy run's byte counts say: with ``T`` steps,
   a whole-run ratio ``R`` and a steady ratio ``r``, the run sent ``T / R`` gradients' worth where
   steady compression alone would send ``T / r``, which is ``D = (T/R - T/r) / (1 - 1/r)``
-  dense-equivalent steps, charged to the first ``D`` steps.
+  dense-equivalent steps, charged to the first ``D`` steps. A run whose compression level changed
+  (``AdaptiveCompression``) may have ended on a light step, so for it ``r`` is the ratio of the
+  steps the link timed: its light steps are charged as dense steps too.
 
 The two measurements need not have run the same model or batch: the link rows here are ResNet-18
 with 32 images per rank, while an accuracy run may use ``--model resnet10`` or another
@@ -95,6 +97,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also draw test accuracy against wall-clock time at each rate into this directory "
         "(accuracy_vs_time_RATE.png; tta computes, and plot draws once it has written its results)",
     )
+    p.add_argument(
+        "--figure-codecs",
+        default=None,
+        help="comma list of the codec labels the figure draws (default: every codec; the tables hold them all)",
+    )
     p.add_argument("--out", default=str(paths.results_dir("tta")), help="output directory (default: %(default)s)")
 
 
@@ -128,12 +135,23 @@ def seconds_to_step(step: float, step_s: float, dense_steps: float, dense_step_s
     return step * step_s + min(float(step), dense_steps) * extra
 
 
-def dense_equivalent_steps(rows: list[dict[str, Any]]) -> float:
+def level_changed(row: dict[str, Any]) -> bool:
+    """Whether the run's compression level changed (``AdaptiveCompression``): it ran steps at more
+    than one level, so its last step's ratio need not be its configured one."""
+    return len((row.get("raw") or {}).get("level_steps") or row.get("level_steps") or {}) > 1
+
+
+def dense_equivalent_steps(rows: list[dict[str, Any]], steady_ratio: float | None = None) -> float:
     """Steps' worth of uncompressed gradient a codec sent beyond its steady compression (its
-    warm-ups), from the runs' whole-run and steady ratios (mean over the runs; 0 when unknown)."""
+    warm-ups, its light steps), from the runs' whole-run and steady ratios (mean over the runs; 0
+    when unknown). The steady ratio is the run's last step's, except for a run whose level changed
+    (its last step may have been a light one): there it is ``steady_ratio``, the ratio of the steps
+    the link timed, when given."""
     found = []
     for r in rows:
         steps, whole, steady = r.get("steps"), r.get("compression_ratio"), r.get("compression_ratio_last")
+        if steady_ratio and level_changed(r):
+            steady = steady_ratio
         if not steps or not whole or not steady or steady <= 1.0 + 1e-6:
             continue
         found.append(max(0.0, (steps / whole - steps / steady) / (1.0 - 1.0 / steady)))
@@ -167,6 +185,7 @@ def accuracy_curves(rows: list[dict[str, Any]], task: str) -> tuple[dict[str, di
             "batch_size": first.get("batch_size"),
             "world_size": (first.get("raw") or {}).get("world_size", first.get("devices")),
             "dense_steps": dense_equivalent_steps(runs),
+            "runs": runs,
         }
     missing = [codec for codec, c in out.items() if not c["curve"]]
     if missing:
@@ -195,16 +214,21 @@ def reach_text(steps: int | None, seconds: float | None, has_curve: bool) -> str
     return f"{seconds:.0f} ({steps} steps)"
 
 
-def link_step_times(rows: list[dict[str, Any]], hosts: int, rate: str, model: str | None) -> dict[str, float]:
-    """Median step time per codec label at ``hosts`` hosts and ``rate`` (the last row of a repeat wins)."""
+def _link_rows(rows: list[dict[str, Any]], hosts: int, rate: str, model: str | None) -> dict[str, dict[str, Any]]:
+    """The timed link row per codec label at ``hosts`` hosts and ``rate`` (the last of a repeat wins)."""
     return {
-        r["codec"]: r["step_s"]
+        r["codec"]: r
         for r in rows
         if r.get("hosts") == hosts
         and r.get("rate") == rate
         and r.get("step_s") is not None
         and (model is None or r.get("model", model) == model)
     }
+
+
+def link_step_times(rows: list[dict[str, Any]], hosts: int, rate: str, model: str | None) -> dict[str, float]:
+    """Median step time per codec label at ``hosts`` hosts and ``rate`` (the last row of a repeat wins)."""
+    return {codec: r["step_s"] for codec, r in _link_rows(rows, hosts, rate, model).items()}
 
 
 def _pick_link_model(
@@ -263,7 +287,8 @@ def compute(
         )
     rows = []
     for rate in rates:
-        step_s = link_step_times(link.get("rows", []), hosts, rate, model)
+        timed = _link_rows(link.get("rows", []), hosts, rate, model)
+        step_s = {codec: r["step_s"] for codec, r in timed.items()}
         if not step_s:
             warnings.append(f"no link rows at {rate} with {hosts} hosts (model {model})")
         times: dict[str, float | None] = {}
@@ -276,6 +301,11 @@ def compute(
             borrowed = s is None and "@" in codec and step_s.get(base) is not None
             if borrowed:  # another configuration of a codec that sends the same bytes (an option
                 s = step_s[base]  # such as momentum correction): its step time, said in the note
+            row = timed.get(base if borrowed else codec) or {}
+            if any(level_changed(r) for r in c["runs"]) and row.get("compression_ratio"):
+                # the level changed over the run: the bytes beyond those of the timed steps are
+                # charged as dense steps, whatever level the run's last step had
+                c = {**c, "dense_steps": dense_equivalent_steps(c["runs"], row["compression_ratio"])}
             tta = None
             note = ""
             if steps is not None and s is not None:
