@@ -16,7 +16,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_gradcomp.codecs.base import BucketRouter, Codec, MultiRound
+from lightning_gradcomp.codecs.base import Codec, MultiRound
 from lightning_gradcomp.comm import gather_rank_states
 from lightning_gradcomp.hook import (
     NONFINITE_POLICIES,
@@ -62,8 +62,9 @@ class CompressedDDPStrategy(DDPStrategy):
         adaptive_level: set the codec's compression level from the gradient's norm
             (:class:`~lightning_gradcomp.callbacks.AdaptiveCompression`, Accordion's rule): ``False``:
             off; ``True``: on with the callback's defaults; a dict: the callback's arguments
-            (``{"eta": 0.5, "interval": 50}``); ``None`` (default): on for ``codec="auto"`` (its
-            accuracy budget: no heavy arm in a critical regime), off for every other codec. The
+            (``{"eta": 0.5, "interval": 50}``); ``None`` (default): on for ``codec="lgc"`` (measured
+            to train clearly better with it, docs/codecs/lgc.md) and ``codec="auto"`` (its accuracy
+            budget: no heavy arm in a critical regime), off for every other codec. The
             codec must be adjustable (``topk``, ``iwp``, ``qsgd``, ``powersgd``, ``gradiveq``,
             ``fft``, ``lgc``, ``auto``). An ``AdaptiveCompression`` among the trainer's callbacks is
             kept as given instead.
@@ -154,9 +155,9 @@ class CompressedDDPStrategy(DDPStrategy):
             if not any(isinstance(cb, type(callback)) for cb in trainer.callbacks):
                 trainer.callbacks.append(callback)
         self._check_optimizer_momentum()
-        self._warn_sparse_codec_with_adaptive_optimizer()
+        self._warn_sparse_codec_with_adaptive_optimizer(trainer)
 
-    def _warn_sparse_codec_with_adaptive_optimizer(self) -> None:
+    def _warn_sparse_codec_with_adaptive_optimizer(self, trainer: pl.Trainer) -> None:
         """Warn once when a sparsifying codec with error feedback meets Adam-like optimizers.
 
         Such a codec sends a few entries of each layer and delays the rest in its residual, so a
@@ -173,12 +174,19 @@ class CompressedDDPStrategy(DDPStrategy):
             return
         adaptive = sorted({type(opt).__name__ for opt in self.optimizers for g in opt.param_groups if _is_adaptive(g)})
         if adaptive:
+            from lightning_gradcomp.callbacks.adaptive import AdaptiveCompression
+
+            controlled = any(isinstance(cb, AdaptiveCompression) for cb in trainer.callbacks)
+            remedy = (
+                "the level controller (on here) compresses lightly in the critical phases, which brought lgc to -2.1"
+                if controlled
+                else "compressing lightly in the critical phases (adaptive_level=True) brought lgc to -2.1"
+            )
             rank_zero_warn(
                 f"codec {codec.name!r} sends a sparse part of each layer and delays the rest (error feedback); "
                 f"with {', '.join(adaptive)} (per-coordinate step sizes) this trained clearly worse than plain "
                 "all-reduce in our measurements (PSPNet/CamVid, AdamW: lgc -5.8 mIoU), while codecs that send a "
-                "dense update ('powersgd', 'fft') stayed close; compressing lightly in the critical phases "
-                "(adaptive_level=True) brought lgc to -2.1. See docs/benchmarks.md, 'Segmentation'."
+                f"dense update ('powersgd', 'fft') stayed close; {remedy}. See docs/benchmarks.md, 'Segmentation'."
             )
 
     def _check_optimizer_momentum(self) -> None:
@@ -368,11 +376,11 @@ class CompressedDDPStrategy(DDPStrategy):
 
 
 def _adaptive_callback(adaptive_level: bool | dict[str, Any] | None, codec: Codec) -> Any:
-    """The ``AdaptiveCompression`` that ``adaptive_level`` asks for (``None``: on for a
-    :class:`~lightning_gradcomp.codecs.base.BucketRouter` such as ``auto``, else off), built and
-    checked against the codec now, before any process starts."""
+    """The ``AdaptiveCompression`` that ``adaptive_level`` asks for (``None``: the codec's
+    ``adaptive_by_default``, on for ``lgc`` and ``auto``), built and checked against the codec now,
+    before any process starts."""
     if adaptive_level is None:
-        adaptive_level = isinstance(codec, BucketRouter)
+        adaptive_level = codec.adaptive_by_default
     if adaptive_level is False:
         return None
     if adaptive_level is True:

@@ -195,6 +195,7 @@ def _fit(rank: int, world: int, run: dict[str, Any]) -> dict[str, Any]:
         nonfinite=run.get("nonfinite", "skip"),
         stats_every=1,
         start_method="popen",
+        adaptive_level=run.get("adaptive_level"),
         **run.get("ddp", {}),
     )
     rec = Recorder()

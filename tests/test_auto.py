@@ -101,6 +101,8 @@ def test_the_strategy_turns_the_level_controller_on_for_auto_only():
     assert CompressedDDPStrategy(codec="auto")._adaptive_callback is not None
     assert CompressedDDPStrategy(codec="auto", adaptive_level=False)._adaptive_callback is None
     assert CompressedDDPStrategy(codec="topk")._adaptive_callback is None
+    assert CompressedDDPStrategy(codec="lgc")._adaptive_callback is not None  # lgc trains better with it
+    assert CompressedDDPStrategy(codec="lgc", adaptive_level=False)._adaptive_callback is None
 
 
 # --------------------------------------------------------------------------------------------------

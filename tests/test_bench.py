@@ -1103,6 +1103,15 @@ def test_tta_charges_the_light_steps_of_an_adaptive_run_beyond_the_timed_ratio()
     row = got["topk@adaptive"]
     assert row["note"] == "step time of topk" and row["dense_steps"] == pytest.approx(20)
     assert row["tta_s"] == pytest.approx(100 * 1.3 + 20 * (4.0 - 1.3))
+    # told that it sends what another label's timed steps send, it takes that row instead
+    link_data["rows"].append({"hosts": 2, "rate": "100mbit", "model": "resnet18", "codec": "lgc@new", "step_s": 1.1})
+    link_data["rows"][-1]["compression_ratio"] = 100.0
+    got = tta.compute(acc, link_data, ["100mbit"], hosts=2, step_time_of={"topk@adaptive": "lgc@new"})["rows"]
+    row = next(r for r in got if r["codec"] == "topk@adaptive")
+    assert row["note"] == "step time of lgc@new" and row["tta_s"] == pytest.approx(100 * 1.1 + 20 * (4.0 - 1.1))
+    assert tta.parse_step_time_of("a@x=a@y,b=c") == {"a@x": "a@y", "b": "c"}
+    with pytest.raises(SystemExit, match="LABEL=OTHER"):
+        tta.parse_step_time_of("a@x")
     # without a timed ratio the run's own is all there is
     for r in link_data["rows"]:
         r.pop("compression_ratio", None)

@@ -117,12 +117,24 @@ def test_strategy_refuses_momentum_correction_with_a_loss_scaler():
 
 
 def test_strategy_warns_when_a_sparse_codec_meets_an_adaptive_optimizer():
+    from types import SimpleNamespace
+
+    from lightning_gradcomp.callbacks import AdaptiveCompression
+
     params = [nn.Parameter(torch.zeros(3))]
+    bare = SimpleNamespace(callbacks=[])
     for codec in ("topk", "iwp", "lgc"):
         strategy = CompressedDDPStrategy(codec=codec)
         strategy.optimizers = [torch.optim.AdamW(params, lr=0.1)]
-        with pytest.warns(UserWarning, match=rf"codec '{codec}' sends a sparse part .* with AdamW"):
-            strategy._warn_sparse_codec_with_adaptive_optimizer()
+        with pytest.warns(
+            UserWarning, match=rf"codec '{codec}' sends a sparse part .* with AdamW.*adaptive_level=True"
+        ):
+            strategy._warn_sparse_codec_with_adaptive_optimizer(bare)
+    # with the level controller attached (lgc's default) the warning says it is on
+    strategy = CompressedDDPStrategy(codec="lgc")
+    strategy.optimizers = [torch.optim.AdamW(params, lr=0.1)]
+    with pytest.warns(UserWarning, match=r"the level controller \(on here\)"):
+        strategy._warn_sparse_codec_with_adaptive_optimizer(SimpleNamespace(callbacks=[AdaptiveCompression()]))
     quiet = [
         ("topk", {}, torch.optim.SGD(params, lr=0.1, momentum=0.9)),  # SGD: what the codecs were measured with
         ("topk", {"error_feedback": False}, torch.optim.AdamW(params, lr=0.1)),  # nothing delayed
@@ -134,4 +146,4 @@ def test_strategy_warns_when_a_sparse_codec_meets_an_adaptive_optimizer():
         strategy.optimizers = [opt]
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            strategy._warn_sparse_codec_with_adaptive_optimizer()
+            strategy._warn_sparse_codec_with_adaptive_optimizer(bare)

@@ -184,18 +184,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return out
 
 
-def check_compression(result: dict, steps: int, codec: str = "topk") -> None:
+def check_compression(result: dict, steps: int, codec: str = "topk", min_ratio: float = 10) -> None:
     assert result["world_size"] == 2 and result["steps"] == steps
     assert result["codec"] == codec
     assert 0 < result["bytes_sent"] < result["raw_bytes"]
     # steps 0 and 1 are dense (DDP rebuilds its buckets), the rest send ~1% of the large layers
-    assert result["compression_ratio_last"] > 10
+    assert result["compression_ratio_last"] > min_ratio
     assert 1 < result["compression_ratio"] < result["compression_ratio_last"]
 
 
 def test_digits_quickstart_trains_lgc_from_its_config(runs):
     r = runs["digits"]
-    check_compression(r["json"], steps=12, codec="lgc")
+    # lgc's default level controller keeps all 12 steps light (a support of 10 %, not 1 %): no
+    # window of 50 steps has ended to compare with
+    check_compression(r["json"], steps=12, codec="lgc", min_ratio=5)
+    assert r["json"]["level_steps"] == {"0": 12}
     assert r["json"]["codec_options"]["warmup_steps"] == 0.05  # the YAML leaves lgc on its defaults
     acc = r["json"]["metrics"]["val/acc"]
     assert 0.2 < acc <= 1.0  # 10 classes: chance is 0.1
@@ -293,10 +296,13 @@ def test_tensorboard_tags_and_hyperparameters(runs):
     assert {v for v in phase.values()} == {0.0, 1.0}
     for step, p in phase.items():
         if p == 1.0:
-            assert ratio[step] > 10  # top-1% of the large layers on the shared support
+            # the top 10 % of the large layers on the shared support: lgc's level controller
+            # (on by default) keeps these 12 steps at its light level
+            assert ratio[step] > 5
         else:
             assert ratio[step] == pytest.approx(1.0, rel=0.02)  # dense warm-up
     assert max(v for _, v in s["gradcomp/lgc_stage"]) == 3.0
+    assert [v for _, v in s["gradcomp/level"]] == [0.0] * 12
     assert all(v > 0 for _, v in s["gradcomp/bytes_sent"])
     # the whole-run ratio counts the dense steps too: between 1 and the steady ratio, rising
     run_ratio = [v for _, v in s["gradcomp/compression_ratio_run"]]

@@ -141,6 +141,8 @@ _OPTION_CHANGES = {
     ("gradiveq", "num_components"): (4, None),  # None: resolved when used (4, or slice_dim with a variance target)
     ("lgc", "code"): ("<absent>", "levels"),  # the learned code of stage 3 (the AE is code="autoencoder")
     ("lgc", "code_bits"): ("<absent>", 2),
+    ("lgc", "density_warmup"): ("<absent>", 0),  # DGC's warm-up of sparsity after stage 1, off by default
+    ("lgc", "density_warmup_start"): ("<absent>", 0.25),
     ("iwp", "last_encodings"): ([], "<absent>"),  # introspection of the last bucket, now plain attributes
     ("iwp", "last_index_bytes"): (0, "<absent>"),
     ("iwp", "last_root"): (-1, "<absent>"),

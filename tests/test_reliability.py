@@ -21,6 +21,7 @@ from dist_utils import free_port, run_gloo
 from reliability_helpers import all_finite, from_bytes, lightning_worker, same, short_options, to_bytes
 
 import lightning_gradcomp
+from lightning_gradcomp.registry import codec_class
 
 BAD = 4  # the optimizer step whose gradient is made non-finite on rank 1
 HERE = Path(__file__).resolve().parent
@@ -288,12 +289,21 @@ def resume_results(tmp_path_factory) -> dict[str, list[list[dict]]]:
         runs.append({**common, "ckpt_path": str(d / f"step={CUT}.ckpt"), "weights_only": True})
     previous = [c for c in PREVIOUS_CODECS if c in present]
     for c in previous:
-        common = {"codec": c, "codec_options": short_options(c), "max_steps": STEPS}
+        # those checkpoints were written without the level controller, which lgc now attaches by
+        # default: they resume without it, and are compared with an uninterrupted run without it
+        common = {"codec": c, "codec_options": short_options(c), "max_steps": STEPS, "adaptive_level": False}
         runs.append({**common, "model": {"step_data": True, "momentum": 0.9}})
         runs[-1].update(ckpt_path=str(PREVIOUS / f"{c}.ckpt"), weights_only=True)
+    controlled = [c for c in previous if codec_class(c).adaptive_by_default]
+    for c in controlled:
+        model = {"step_data": True, "momentum": 0.9}
+        runs.append({"codec": c, "codec_options": short_options(c), "max_steps": STEPS, "model": model})
+        runs[-1]["adaptive_level"] = False
     results = _lightning(runs, timeout=600)
     out = {c: (results[2 * i], results[2 * i + 1], dirs[c]) for i, c in enumerate(present)}
-    out.update({f"previous:{c}": results[2 * len(present) + i] for i, c in enumerate(previous)})
+    first = 2 * len(present)
+    out.update({f"previous:{c}": results[first + i] for i, c in enumerate(previous)})
+    out.update({f"plain:{c}": results[first + len(previous) + i] for i, c in enumerate(controlled)})
     return out
 
 
@@ -343,7 +353,7 @@ def test_checkpoint_of_the_previous_contract_resumes_like_an_uninterrupted_run(r
     commit afb9483 wrote continues exactly like this version's uninterrupted run."""
     saved = torch.load(PREVIOUS / f"{codec}.ckpt", weights_only=True)["gradcomp"]
     assert saved["codec"] == codec and saved["shared"]["step"] == CUT
-    full, _, _ = resume_results[codec]
+    full = resume_results.get(f"plain:{codec}") or resume_results[codec][0]
     _assert_continues_exactly(full, resume_results[f"previous:{codec}"], codec)
 
 

@@ -187,15 +187,16 @@ def plot_accuracy_vs_time(
     hosts: int = TIME_HOSTS,
     target: float | None = None,
     codecs: list[str] | None = None,
+    step_time_of: dict[str, str] | None = None,
 ) -> list[Path]:
     """Test accuracy against wall-clock time on one link: each codec's validation steps (mean over
     seeds, min and max as a band) times its median step time there; none's final accuracy dashed,
     99 % of it dash-dotted (and ``target``, when given, dotted). ``codecs``: the labels to draw, in
-    that order (default: all)."""
+    that order (default: all); ``step_time_of``: as in :func:`tta.compute`."""
     if not any(r.get("history") for r in acc.get("rows", [])):
         return []
     try:
-        result = tta_mod.compute(acc, link, [rate], hosts=hosts)
+        result = tta_mod.compute(acc, link, [rate], hosts=hosts, step_time_of=step_time_of)
     except ValueError:
         return []
     step_s = {r["codec"]: r["step_s"] for r in result["rows"] if r.get("step_s")}
@@ -245,7 +246,14 @@ def plot_tta_figures(args: argparse.Namespace) -> list[Path]:
     drawn: list[Path] = []
     for rate in [r for r in args.rates.split(",") if r]:
         drawn += plot_accuracy_vs_time(
-            acc, link, Path(args.figure), rate=rate, hosts=args.hosts, target=args.target, codecs=codecs
+            acc,
+            link,
+            Path(args.figure),
+            rate=rate,
+            hosts=args.hosts,
+            target=args.target,
+            codecs=codecs,
+            step_time_of=tta_mod.parse_step_time_of(getattr(args, "step_time_of", None)),
         )
     return drawn
 

@@ -52,6 +52,7 @@ __all__ = [
     "main",
     "mean_history",
     "none_levels",
+    "parse_step_time_of",
     "reach_text",
     "steps_to_target",
 ]
@@ -96,6 +97,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="also draw test accuracy against wall-clock time at each rate into this directory "
         "(accuracy_vs_time_RATE.png; tta computes, and plot draws once it has written its results)",
+    )
+    p.add_argument(
+        "--step-time-of",
+        default=None,
+        help="comma list LABEL=OTHER: LABEL has no link row and sends what OTHER's timed steps send "
+        "(default: a label NAME@X takes NAME's row)",
     )
     p.add_argument(
         "--figure-codecs",
@@ -256,9 +263,13 @@ def compute(
     target: float | None = None,
     compare: tuple[str, ...] = ("none", "powersgd"),
     link_model: str | None = None,
+    step_time_of: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Time to accuracy per codec and rate from the JSON of ``accuracy`` and of ``link``:
-    ``{"meta": ..., "rows": [...], "curves": {codec: [{step, mean, min, max}]}}``."""
+    ``{"meta": ..., "rows": [...], "curves": {codec: [{step, mean, min, max}]}}``.
+    ``step_time_of``: codec labels without a link row of their own, mapped to the label whose
+    timed steps send the same bytes (by default a label ``name@x`` borrows ``name``'s row)."""
+    step_time_of = step_time_of or {}
     codecs, warnings = accuracy_curves(acc.get("rows", []), task)
     if "none" not in codecs:
         raise ValueError(f"the accuracy results hold no run of 'none' on {task} with status ok: no target")
@@ -297,8 +308,8 @@ def compute(
         for codec, c in codecs.items():
             steps = steps_to_target(c["curve"], target)
             s = step_s.get(codec)
-            base = codec.split("@", 1)[0]
-            borrowed = s is None and "@" in codec and step_s.get(base) is not None
+            base = step_time_of.get(codec, codec.split("@", 1)[0])
+            borrowed = s is None and base != codec and step_s.get(base) is not None
             if borrowed:  # another configuration of a codec that sends the same bytes (an option
                 s = step_s[base]  # such as momentum correction): its step time, said in the note
             row = timed.get(base if borrowed else codec) or {}
@@ -423,6 +434,19 @@ def columns(compare: list[str] | tuple[str, ...]) -> list[Column]:
     ]
 
 
+def parse_step_time_of(text: str | None) -> dict[str, str]:
+    """``"a=b,c=d"`` as ``{"a": "b", "c": "d"}`` (``--step-time-of``)."""
+    out = {}
+    for item in (text or "").split(","):
+        if not item:
+            continue
+        label, sep, other = item.partition("=")
+        if not (sep and label and other):
+            raise SystemExit(f"tta: --step-time-of takes LABEL=OTHER items, got {item!r}")
+        out[label] = other
+    return out
+
+
 def main(args: argparse.Namespace) -> int:
     for path in (args.accuracy, args.link):
         if not Path(path).exists():
@@ -440,6 +464,7 @@ def main(args: argparse.Namespace) -> int:
             target=args.target,
             compare=compare,
             link_model=args.link_model,
+            step_time_of=parse_step_time_of(args.step_time_of),
         )
     except ValueError as err:
         raise SystemExit(f"tta: {err}") from None

@@ -321,6 +321,8 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
 
     collective = "allreduce"  # the plain path's; each bucket goes the way of its arm
     Options = AutoOptions
+    # its accuracy budget: no heavy arm in a critical regime
+    adaptive_by_default = True
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)

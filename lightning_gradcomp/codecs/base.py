@@ -183,7 +183,8 @@ class Codec:
     A codec **must** write :meth:`encode` and :meth:`decode`. It **may** set:
 
     - :attr:`collective` (how payloads combine, see the module docstring), :attr:`Options` (its
-      hyper-parameters), :attr:`harness_defaults`, :attr:`wire_dtype`, :attr:`sparse_local`;
+      hyper-parameters), :attr:`harness_defaults`, :attr:`wire_dtype`, :attr:`sparse_local`,
+      :attr:`adaptive_by_default`;
     - :meth:`aggregate` (``allgather`` codecs, to be faster than decoding one payload at a time),
       :meth:`error_bound` (checked by the property tests), :meth:`is_compressing` (a warm-up),
       :meth:`check_harness` (refuse a harness option it cannot run with).
@@ -210,6 +211,9 @@ class Codec:
     #: whether the reconstruction is zero outside the coordinates sent (sparsifiers), which is
     #: where momentum factor masking applies
     sparse_local: ClassVar[bool] = False
+    #: whether ``CompressedDDPStrategy`` attaches the level controller (``AdaptiveCompression``)
+    #: unless told otherwise (``adaptive_level=None``): for codecs measured to need it to train
+    adaptive_by_default: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         own = {f.name for f in dataclasses.fields(self.Options)}
