@@ -194,3 +194,35 @@ def test_compression_level_moves_the_support_between_ten_times_denser_and_the_ra
     d = LGCCodec(ratio=0.01)
     d.load_state_dict(c.state_dict())
     assert d.compression_level == 0.5 and d.k_for(10_000) == c.k_for(10_000)
+
+
+def test_levels_are_fitted_to_the_support_size_they_will_serve():
+    """Under the level controller stage 2 can run partly on a denser support, whose values have
+    another shape in units of their RMS: the levels are fitted to the steps at the configured
+    support (``ratio``) when there are at least two, so that they carry those values."""
+    g = torch.Generator().manual_seed(0)
+
+    def step_values(k: int, light: bool) -> torch.Tensor:
+        # a dense support holds many small values; the configured one, magnitudes in [2, 3]
+        mag = torch.randn(2, k, generator=g).abs() if light else 2 + torch.rand(2, k, generator=g)
+        return mag * torch.sign(torch.randn(2, k, generator=g)) * 1e-3
+
+    c = LGCCodec(ratio=RATIO)
+    heavy_k = math.ceil(RATIO * 3000)
+    c.set_level(0.0)
+    light_k = c.k_for(3000)
+    c.set_level(1.0)
+    assert light_k > heavy_k
+    for step in range(12):
+        c._samples.append(("w", step, step % 2, 3000, step_values(light_k, light=True)))
+    c._samples.append(("w", 12, 0, 3000, step_values(heavy_k, light=False)))
+    # one step at the configured size is too few to fit on: every sample is used
+    train, val = c._split_samples()
+    assert {s[4].shape[-1] for s in train + val} == {light_k, heavy_k}
+    for step in range(13, 20):
+        c._samples.append(("w", step, step % 2, 3000, step_values(heavy_k, light=False)))
+    train, val = c._split_samples()
+    assert {s[4].shape[-1] for s in train + val} == {heavy_k}
+    assert sorted({s[1] for s in train}) == list(range(12, 19)) and {s[1] for s in val} == {19}
+    c.train_autoencoder()
+    assert list(c.ae_layers) == ["w"] and c.ae_recon_error < 0.15  # two levels inside [2, 3] / RMS
