@@ -120,7 +120,9 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
-def _train_levels(rank: int, world: int) -> dict:
+def _train_levels(rank: int, world: int, light_collect: bool = False) -> dict:
+    """``light_collect``: stage 2 runs at compression level 0 (the controller's light level: a
+    support 2.5 times denser here), stage 3 at level 1, and its last step at level 0 again."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lightning_gradcomp.api import make_comm_hook
@@ -135,7 +137,10 @@ def _train_levels(rank: int, world: int) -> dict:
     shared = torch.Generator().manual_seed(5)  # the same on both ranks: most of each batch
     own = torch.Generator().manual_seed(100 + rank)
     rows = []
-    for step in range(WARMUP + COLLECT + STAGE3):
+    total = WARMUP + COLLECT + STAGE3
+    for step in range(total):
+        if light_collect:
+            state.codec.set_level(0.0 if step < WARMUP + COLLECT or step == total - 1 else 1.0)
         x = torch.randn(32, 64, generator=shared) + 0.3 * torch.randn(32, 64, generator=own)
         y = torch.randint(0, 10, (32,), generator=shared)
         opt.zero_grad()
@@ -156,7 +161,9 @@ def _train_levels(rank: int, world: int) -> dict:
             }
         )
         opt.step()
-    return {"rows": rows, "digest": state.codec.ae_digest(), "layers": state.codec.ae_layers}
+    codec = state.codec
+    denser = sorted(codec._levels_denser)
+    return {"rows": rows, "digest": codec.ae_digest(), "layers": codec.ae_layers, "denser": denser}
 
 
 def _expected_stage3_wire(world: int) -> float:
@@ -196,33 +203,62 @@ def test_compression_level_moves_the_support_between_ten_times_denser_and_the_ra
     assert d.compression_level == 0.5 and d.k_for(10_000) == c.k_for(10_000)
 
 
-def test_levels_are_fitted_to_the_support_size_they_will_serve():
-    """Under the level controller stage 2 can run partly on a denser support, whose values have
-    another shape in units of their RMS: the levels are fitted to the steps at the configured
-    support (``ratio``) when there are at least two, so that they carry those values."""
+def test_denser_samples_are_cut_to_the_configured_support_and_fit_levels_of_their_own():
+    """Under the level controller stage 2 can run on a denser support, whose values have another
+    shape in units of their RMS. The configured support's levels are fitted to each sample cut to
+    the leader's ``k`` largest values (the configured support of that step's gradient); a second
+    set is fitted to the denser values and serves the steps that run denser."""
     g = torch.Generator().manual_seed(0)
-
-    def step_values(k: int, light: bool) -> torch.Tensor:
-        # a dense support holds many small values; the configured one, magnitudes in [2, 3]
-        mag = torch.randn(2, k, generator=g).abs() if light else 2 + torch.rand(2, k, generator=g)
-        return mag * torch.sign(torch.randn(2, k, generator=g)) * 1e-3
-
     c = LGCCodec(ratio=RATIO)
     heavy_k = math.ceil(RATIO * 3000)
     c.set_level(0.0)
     light_k = c.k_for(3000)
     c.set_level(1.0)
     assert light_k > heavy_k
-    for step in range(12):
-        c._samples.append(("w", step, step % 2, 3000, step_values(light_k, light=True)))
-    c._samples.append(("w", 12, 0, 3000, step_values(heavy_k, light=False)))
-    # one step at the configured size is too few to fit on: every sample is used
-    train, val = c._split_samples()
-    assert {s[4].shape[-1] for s in train + val} == {light_k, heavy_k}
-    for step in range(13, 20):
-        c._samples.append(("w", step, step % 2, 3000, step_values(heavy_k, light=False)))
-    train, val = c._split_samples()
-    assert {s[4].shape[-1] for s in train + val} == {heavy_k}
-    assert sorted({s[1] for s in train}) == list(range(12, 19)) and {s[1] for s in val} == {19}
+    for step in range(16):
+        # a dense support: heavy_k large values (magnitudes in [2, 3], the same positions on both
+        # ranks, scattered), many small ones
+        v = torch.randn(2, light_k, generator=g).abs() * 0.3
+        top = torch.randperm(light_k, generator=g)[:heavy_k]
+        v[:, top] = 2 + torch.rand(2, heavy_k, generator=g)
+        v *= torch.sign(torch.randn(2, light_k, generator=g)) * 1e-3
+        c._samples.append(("w", step, step % 2, 3000, v))
+        if step == 0:
+            first_top = top.sort().values
+    configured, denser = c._samples_by_support()
+    assert len(denser) == 16 and {s[4].shape[-1] for s in configured} == {heavy_k}
+    assert torch.equal(configured[0][4], c._samples[0][4][:, first_top])
+    train, val = c._split_samples(configured)
+    assert sorted({s[1] for s in train}) == list(range(14)) and {s[1] for s in val} == {14, 15}
     c.train_autoencoder()
     assert list(c.ae_layers) == ["w"] and c.ae_recon_error < 0.15  # two levels inside [2, 3] / RMS
+    heavy, light = c._levels_for("w", heavy_k, 3000), c._levels_for("w", light_k, 3000)
+    assert heavy is c._levels["w"] and light is c._levels_denser["w"]
+    assert light[0] < 0.5 * heavy[0]  # the denser support's lower level sits among its small values
+    # both sets travel in the digest and the checkpoint; a checkpoint without the second loads
+    d = LGCCodec(ratio=RATIO)
+    d.load_state_dict(c.state_dict())
+    assert d.ae_digest() == c.ae_digest() and torch.equal(d._levels_denser["w"], light)
+    old = c.state_dict()
+    del old["levels_denser"]
+    e = LGCCodec(ratio=RATIO)
+    e.load_state_dict(old)
+    assert e._levels_denser == {} and torch.equal(e._levels_for("w", light_k, 3000), heavy)
+
+
+def test_levels_fitted_on_a_denser_stage_2_carry_the_configured_support_on_two_ranks():
+    """The controller's case: stage 2 wholly at the light level. The code still carries every layer
+    at the configured level, and a later light step uses the denser support's levels, identically
+    on both ranks, with exact error feedback throughout."""
+    res = run_gloo(_train_levels, world_size=2, args=(True,), timeout=300)
+    assert res[0]["digest"] == res[1]["digest"] and res[0]["layers"] == res[1]["layers"]
+    assert len(res[0]["layers"]) == 3 and res[0]["denser"] == sorted(res[0]["layers"])
+    for r in res:
+        rows = r["rows"]
+        for row in rows:
+            assert row["identical"]
+        for row in rows[WARMUP + COLLECT :]:
+            assert row["used"] == (3, 3)
+            assert row["err_sq"] == pytest.approx(row["residual_sq"], rel=1e-6)
+        assert rows[WARMUP + COLLECT]["wire"] == pytest.approx(_expected_stage3_wire(2))
+        assert rows[-1]["wire"] > rows[-2]["wire"]  # the last step ran the denser support

@@ -111,6 +111,8 @@ def fit_layers(
     count = fitted.shape[1]
     for i, key in enumerate(keys):
         values = [smp[4] for smp in train if smp[0] == key]
+        if not values:  # no sample of this layer: its row keeps what it held
+            continue
         magnitudes = torch.cat([relative_magnitudes(v.float().cpu()) for v in values])
         fitted[i] = fit_levels(magnitudes, count, seed=seed + i).to(fitted.device)
     by_key = {k: fitted[i] for i, k in enumerate(keys)}

@@ -267,6 +267,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         self._ae_state = {"trained": False, "loss": float("nan"), "recon_error": float("nan"), "train_s": float("nan")}
         self._ae_layers: dict[str, float] = {}  # layers the learned code carries in stage 3 -> held-out error
         self._levels: dict[str, Tensor] = {}  # "levels": each layer's magnitude levels
+        self._levels_denser: dict[str, Tensor] = {}  # the same, for a support denser than ``ratio``
         self._samples: list[tuple[str, int, int, int, Tensor]] = []  # key, step, leader, numel, (N, K) values
         self._samples_lock = threading.Lock()
         self.last_timing: dict[str, float] = {}
@@ -434,7 +435,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
                 if a and not ae:
                     # the run-time guard: the leader's own values through the code, this step
                     v = x[idx]
-                    own_codes[i] = levels.encode(v, self._levels[key], self.options.code_bits)
+                    own_codes[i] = levels.encode(v, self._levels_for(key, k, n), self.options.code_bits)
                     flags.append(self._within_gate(v, own_codes[i][1]))
                 elif a:
                     v = x[idx]
@@ -538,7 +539,9 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         if not self.uses_autoencoder:
             # the levels: what this rank's message decodes to is exactly its share of the sum
             message, rec = (
-                own_code if own_code is not None else levels.encode(v, self._levels[key], self.options.code_bits)
+                own_code
+                if own_code is not None
+                else levels.encode(v, self._levels_for(key, k, x.numel()), self.options.code_bits)
             )
             local[idx] = rec
             return EncodeResult(message, local=local, ctx=ctx)
@@ -577,7 +580,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         out = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
         k = idx.numel()
         if coded and not self.uses_autoencoder:  # every rank's levels message, decoded and summed
-            lv, bits = self._levels[key], self.options.code_bits
+            lv, bits = self._levels_for(key, k, numel), self.options.code_bits
             out[idx] = torch.stack([levels.decode(p, lv, bits, k) for p in payloads]).sum(0)
             return out
         if not coded:  # stage 2, a layer too short for the code, or one the guard sent exactly
@@ -618,7 +621,9 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         device = self._device()
         stats = torch.zeros(2 + len(keys), dtype=torch.float64, device=device)
         count = 2 ** (self.options.code_bits - 1)
-        fitted = torch.ones(len(keys), count, dtype=torch.float32, device=device)
+        # the levels of the configured support, those of a denser one, and whether the latter exist
+        fitted = torch.ones(2, len(keys) + 1, count, dtype=torch.float32, device=device)
+        fitted[1, -1] = 0.0
         if self.rank == 0:
             if self.uses_autoencoder:
                 loss, per_layer = self._fit()
@@ -638,7 +643,9 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
                 self.context.broadcast(fitted, 0)
             self.context.broadcast(stats, 0)
         if not self.uses_autoencoder:
-            self._levels = {k: fitted[i].clone() for i, k in enumerate(keys)}
+            self._levels = {k: fitted[0, i].clone() for i, k in enumerate(keys)}
+            has_denser = bool(fitted[1, -1, 0] > 0.5)  # once, at the switch
+            self._levels_denser = {k: fitted[1, i].clone() for i, k in enumerate(keys)} if has_denser else {}
         if self.world_size > 1:
             self.context.agree(self.ae_digest(), "lgc: the learned code differs between ranks after the broadcast")
         self.ae.requires_grad_(False)
@@ -653,19 +660,12 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
             "train_s": time.perf_counter() - t0,
         }
 
-    def _split_samples(self) -> tuple[list, list]:
-        """Training and held-out samples: the most recent eighth of the steps is held out.
-
-        Only the steps whose support had the configured size (``ratio``, the level the code will
-        mostly serve) are used when there are at least two of them: under the level controller
-        stage 2 can run partly on a ten times denser support, whose values, in units of their RMS,
-        are distributed otherwise (a code fitted to them carried 3-5 of 19 layers at the configured
-        level on ResNet-18). With fewer, every sample is used."""
-        with self._samples_lock:
-            samples = list(self._samples)
-        configured = [s for s in samples if s[4].shape[-1] == keep_count(self.options.ratio, s[3])]
-        if len({s[1] for s in configured}) >= 2:
-            samples = configured
+    def _split_samples(self, samples: list | None = None) -> tuple[list, list]:
+        """Training and held-out samples (all of them, or ``samples``): the most recent eighth of
+        the steps is held out."""
+        if samples is None:
+            with self._samples_lock:
+                samples = list(self._samples)
         steps = sorted({s[1] for s in samples})
         n_val = len(steps) // 8
         val_steps = set(steps[len(steps) - n_val :]) if n_val else set()
@@ -673,17 +673,55 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         val = [s for s in samples if s[1] in val_steps] or samples
         return train, val
 
+    def _samples_by_support(self) -> tuple[list, list]:
+        """The samples as the configured support (``ratio``) would have given them, and the samples
+        taken on a denser one.
+
+        Under the level controller stage 2 runs partly or wholly on a ten times denser support,
+        whose values, in units of their RMS, are distributed otherwise: levels fitted to them
+        carried 3-5 of 19 layers at the configured support on ResNet-18. The leader's top ``k`` of
+        its whole layer are the top ``k`` of its denser support, so a denser sample is cut to the
+        leader's ``k`` largest values (every rank's values at those positions), which is the
+        configured support of that step's gradient."""
+        with self._samples_lock:
+            samples = list(self._samples)
+        configured, denser = [], []
+        for key, step, lead, numel, values in samples:
+            k = keep_count(self.options.ratio, numel)
+            if values.shape[-1] > k:
+                denser.append((key, step, lead, numel, values))
+                keep = values[lead].abs().topk(k, sorted=False).indices.sort().values
+                values = values[:, keep]
+            configured.append((key, step, lead, numel, values))
+        return configured, denser
+
+    def _levels_for(self, key: str, k: int, numel: int) -> Tensor:
+        """The levels of ``key`` for a support of ``k`` values: those fitted to the denser support
+        when ``k`` is above the configured size and they exist, else the configured support's."""
+        if k > keep_count(self.options.ratio, numel) and key in self._levels_denser:
+            return self._levels_denser[key]
+        return self._levels[key]
+
     def _fit_levels(self, keys: list[str], fitted: Tensor) -> tuple[float, dict[str, tuple[float, float]]]:
-        train, val = self._split_samples()
-        if not train:
+        """Fit ``fitted[0]`` to the configured support's samples (their held-out error is the gate)
+        and, when stage 2 ran a denser support on at least two steps, ``fitted[1]`` to those; the
+        last row of ``fitted[1]`` is set to 1 when it was fitted."""
+        configured, denser = self._samples_by_support()
+        if not configured:
             return float("nan"), {}
-        return levels.fit_layers(train, val, keys, fitted, self.options.seed)
+        train, val = self._split_samples(configured)
+        loss, per_layer = levels.fit_layers(train, val, keys, fitted[0], self.options.seed)
+        if len({s[1] for s in denser}) >= 2:
+            d_train, d_val = self._split_samples(denser)
+            levels.fit_layers(d_train, d_val, keys, fitted[1, :-1], self.options.seed)
+            fitted[1, -1] = 1.0
+        return loss, per_layer
 
     def _fit(self) -> tuple[float, dict[str, tuple[float, float]]]:
         with self._samples_lock:
             if not self._samples:
                 return float("nan"), {}
-        train, val = self._split_samples()
+        train, val = self._split_samples(self._samples_by_support()[0])
         return autoencoder.fit(self.ae, self.options, train, val, self.innovation_k)
 
     def _innovation(self, v: Tensor, numel: int) -> tuple[Tensor, Tensor]:
@@ -692,7 +730,9 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
     def ae_digest(self) -> int:
         """A 62-bit digest of the learned code: the AE's weights and the levels (compare it across
         ranks)."""
-        return comm.digest(*self.ae.state_dict().values(), *(self._levels[k] for k in sorted(self._levels)))
+        tables = [self._levels[k] for k in sorted(self._levels)]
+        tables += [self._levels_denser[k] for k in sorted(self._levels_denser)]
+        return comm.digest(*self.ae.state_dict().values(), *tables)
 
     @property
     def ae_layers(self) -> dict[str, float]:
@@ -721,7 +761,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
     def ae_cost(self) -> dict[str, float]:
         """Parameter count and bytes of the learned code (the AE's weights, or the levels)."""
         if not self.uses_autoencoder:
-            n = sum(v.numel() for v in self._levels.values())
+            n = sum(v.numel() for v in [*self._levels.values(), *self._levels_denser.values()])
             return {"ae_params": float(n), "ae_param_bytes": float(4 * n)}
         n = sum(p.numel() for p in self.ae.parameters())
         return {"ae_params": float(n), "ae_param_bytes": float(4 * n)}
@@ -743,6 +783,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
             "ae_layers": dict(self._ae_layers),
             "code": self.options.code,
             "levels": {k: v.detach().cpu().clone() for k, v in self._levels.items()},
+            "levels_denser": {k: v.detach().cpu().clone() for k, v in self._levels_denser.items()},
             "samples": samples,
             **self.level_state(),
         }
@@ -771,6 +812,8 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
             )
         device = next(self.ae.parameters()).device
         self._levels = {str(k): v.to(device) for k, v in state.get("levels", {}).items()}
+        # before the denser support had levels of its own it used the configured support's
+        self._levels_denser = {str(k): v.to(device) for k, v in state.get("levels_denser", {}).items()}
         with self._samples_lock:
             self._samples = [
                 (d["key"], int(d["step"]), int(d["leader"]), int(d["numel"]), d["values"]) for d in state["samples"]
