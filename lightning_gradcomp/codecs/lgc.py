@@ -325,7 +325,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
     @property
     def density_warmup_end(self) -> int:
         """First step after the density warm-up, which follows stage 1 (``warmup_end`` if it is off)."""
-        return self.warmup_end + run_steps(self.options.density_warmup, self.run_total_steps, WARMUP_CAP)
+        return self.warmup_end + self._density_warmup().length(self.run_total_steps)
 
     @property
     def ae_start_step(self) -> int:
@@ -373,11 +373,12 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         the kept fraction, denser during the density warm-up (``None``: after it)."""
         fraction = self.kept_fraction
         if step is not None:
-            o = self.options
-            fraction = DensityWarmup(o.density_warmup, o.density_warmup_start, WARMUP_CAP).fraction(
-                fraction, step, self.warmup_end, self.run_total_steps
-            )
+            fraction = self._density_warmup().fraction(fraction, step, self.warmup_end, self.run_total_steps)
         return keep_count(fraction, numel)
+
+    def _density_warmup(self) -> DensityWarmup:
+        # capped like stage 1, which it replaces
+        return DensityWarmup(self.options.density_warmup, self.options.density_warmup_start, WARMUP_CAP)
 
     def innovation_k(self, numel: int) -> int:
         """``"ps"``: innovation values a rank sends for a layer, at most the support's size."""

@@ -90,9 +90,13 @@ class DensityWarmup:
     def of(cls, options: Any) -> DensityWarmup:
         return cls(options.density_warmup, options.density_warmup_start)
 
+    def length(self, total_steps: int | None) -> int:
+        """The warm-up's steps in a run of ``total_steps`` (``None``: unknown, the cap applies)."""
+        return run_steps(self.steps, total_steps, self.cap)
+
     def fraction(self, target: float, step: int, first_step: int, total_steps: int | None) -> float:
         """The kept fraction at optimizer ``step`` for a codec whose own fraction is ``target``."""
-        length = run_steps(self.steps, total_steps, self.cap)
+        length = self.length(total_steps)
         if length <= 0 or self.start <= target or step >= first_step + length:
             return target
         t = max(0.0, (step - first_step) / length)
