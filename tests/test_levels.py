@@ -126,6 +126,7 @@ def _train_levels(rank: int, world: int, light_collect: bool = False) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lightning_gradcomp.api import make_comm_hook
+    from lightning_gradcomp.callbacks import AutoencoderWarmup
 
     torch.manual_seed(0)
     model = _mlp()
@@ -163,7 +164,14 @@ def _train_levels(rank: int, world: int, light_collect: bool = False) -> dict:
         opt.step()
     codec = state.codec
     denser = sorted(codec._levels_denser)
-    return {"rows": rows, "digest": codec.ae_digest(), "layers": codec.ae_layers, "denser": denser}
+    return {
+        "rows": rows,
+        "digest": codec.ae_digest(),
+        "layers": codec.ae_layers,
+        "denser": denser,
+        "values_run": codec.values_run,
+        "summary": AutoencoderWarmup.summary(codec, total),
+    }
 
 
 def _expected_stage3_wire(world: int) -> float:
@@ -189,6 +197,8 @@ def test_levels_carry_every_layer_identically_on_two_ranks_with_exact_error_feed
             assert row["wire"] == pytest.approx(_expected_stage3_wire(2))
             # what the code did not carry stays in the residual, exactly
             assert row["err_sq"] == pytest.approx(row["residual_sq"], rel=1e-6)
+        support = sum(math.ceil(RATIO * p.numel()) for p in _mlp().parameters() if p.numel() >= 1000)
+        assert r["values_run"] == {"configured": (STAGE3 * support, STAGE3 * support), "denser": (0, 0)}
 
 
 def test_compression_level_moves_the_support_between_ten_times_denser_and_the_ratio():
@@ -262,3 +272,11 @@ def test_levels_fitted_on_a_denser_stage_2_carry_the_configured_support_on_two_r
             assert row["err_sq"] == pytest.approx(row["residual_sq"], rel=1e-6)
         assert rows[WARMUP + COLLECT]["wire"] == pytest.approx(_expected_stage3_wire(2))
         assert rows[-1]["wire"] > rows[-2]["wire"]  # the last step ran the denser support
+        # the report's tally: every support value coded, two steps configured and one denser
+        support = sum(math.ceil(RATIO * p.numel()) for p in _mlp().parameters() if p.numel() >= 1000)
+        denser = sum(math.ceil(0.25 * p.numel()) for p in _mlp().parameters() if p.numel() >= 1000)
+        assert r["values_run"] == {"configured": (2 * support, 2 * support), "denser": (denser, denser)}
+        assert r["summary"].endswith(
+            f"over the run it carried 100 % of {2 * support:,} at the configured support "
+            f"and 100 % of {denser:,} at the denser support"
+        )

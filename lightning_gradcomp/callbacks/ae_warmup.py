@@ -68,6 +68,17 @@ class AutoencoderWarmup(ScheduleOverride):
         print(self.summary(codec, state.step), flush=True)
 
     @staticmethod
+    def _over_the_run(codec: Any) -> str:
+        """The share of the support values the code carried over the run's learned-code steps, at
+        the configured support and at a denser one (the level controller's light steps)."""
+        parts = [
+            f"{100 * carried / total:.0f} % of {total:,} at the {where} support"
+            for where, (carried, total) in codec.values_run.items()
+            if total
+        ]
+        return "; over the run it carried " + " and ".join(parts) if parts else ""
+
+    @staticmethod
     def summary(codec: Any, steps: int) -> str:
         """One line: which stage the run reached and what the learned code carried."""
         if steps == 0 or codec.stage(steps - 1) == 1:
@@ -94,12 +105,13 @@ class AutoencoderWarmup(ScheduleOverride):
             )
             if used < eligible:
                 how += "; the run-time guard sent the other layers' values exactly"
+            how += AutoencoderWarmup._over_the_run(codec)
         elif eligible:
             how = (
                 f"the run-time guard sent all {eligible} layer(s) that passed the gate exactly at the last step "
                 f"(the {name} reconstructed the leader's values with an error above max_recon_error "
                 f"{codec.options.max_recon_error})"
-            )
+            ) + AutoencoderWarmup._over_the_run(codec)
         elif math.isfinite(codec.ae_recon_error):
             how = (
                 f"no layer passed the gate (held-out error of the {name} {codec.ae_recon_error:.2f} > "

@@ -274,6 +274,9 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         self._ae_layers_used = (0, 0)  # of the last step: layers the AE carried, layers it may carry
         self._values_used = (0, 0, 0)  # of the last step: values the code carried, support values, their code's bytes
         self._ae_count_step = -1
+        # over the run's stage-3 steps, at the configured support and at a denser one: support
+        # values the code carried, and all support values of the compressed layers
+        self._values_run = {"configured": [0, 0], "denser": [0, 0]}
 
     def check_harness(self, harness: HarnessOptions) -> None:
         # start_step always has a value (the harness default); only another one was asked for
@@ -307,6 +310,13 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         many values the supports of the compressed layers held, and the bytes this rank sent for
         the carried values (4 a value would have been sent exactly)."""
         return self._values_used
+
+    @property
+    def values_run(self) -> dict[str, tuple[int, int]]:
+        """Over the run's stage-3 steps so far, on this rank, at the configured support
+        (``"configured"``) and at a denser one (``"denser"``, the level controller's light steps):
+        how many support values the learned code carried, and how many the supports held."""
+        return {name: (c, n) for name, (c, n) in self._values_run.items()}
 
     @property
     def ae_train_s(self) -> float:
@@ -492,6 +502,10 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
             if coded:
                 carried, code_bytes_sent = carried + k, code_bytes_sent + self._code_nbytes(k, n)
             self._values_used = (carried, support + k, code_bytes_sent)
+            if stage == 3:
+                tally = self._values_run["denser" if k > keep_count(self.options.ratio, n) else "configured"]
+                tally[0] += k if coded else 0
+                tally[1] += k
             shared[key] = _Shared(idx, s, z, coded, own_codes[i])
         self.last_timing["prepare_s"] = time.perf_counter() - t0
         return Prepared(nbytes, shared)
@@ -744,7 +758,8 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         """``lgc_stage`` (1, 2 or 3) at ``step``; once the learned code is trained (and its loss
         finite): ``ae_loss``, ``ae_recon_error`` (held-out, at the switch), ``ae_train_s`` (the
         switch's seconds on this rank), ``ae_layers`` (layers the code carried at the last step),
-        ``ae_layers_eligible`` (layers that passed the gate at the switch) and ``ae_params`` (the
+        ``ae_layers_eligible`` (layers that passed the gate at the switch), ``ae_values`` (the share
+        of the last step's support values that the code carried) and ``ae_params`` (the
         learned code's parameter count, :meth:`ae_cost`)."""
         out = {"lgc_stage": float(self.stage(step))}
         if self.ae_trained and math.isfinite(self.ae_loss):
@@ -755,6 +770,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
                 ae_train_s=self.ae_train_s,
                 ae_layers=float(used),
                 ae_layers_eligible=float(eligible),
+                ae_values=self._values_used[0] / max(self._values_used[1], 1),
                 ae_params=self.ae_cost()["ae_params"],
             )
         return out
@@ -786,6 +802,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
             "levels": {k: v.detach().cpu().clone() for k, v in self._levels.items()},
             "levels_denser": {k: v.detach().cpu().clone() for k, v in self._levels_denser.items()},
             "samples": samples,
+            "values_run": {name: list(t) for name, t in self._values_run.items()},
             **self.level_state(),
         }
 
@@ -815,6 +832,8 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         self._levels = {str(k): v.to(device) for k, v in state.get("levels", {}).items()}
         # before the denser support had levels of its own it used the configured support's
         self._levels_denser = {str(k): v.to(device) for k, v in state.get("levels_denser", {}).items()}
+        for name, tally in state.get("values_run", {}).items():  # absent before it was counted
+            self._values_run[str(name)] = [int(v) for v in tally]
         with self._samples_lock:
             self._samples = [
                 (d["key"], int(d["step"]), int(d["leader"]), int(d["numel"]), d["values"]) for d in state["samples"]
