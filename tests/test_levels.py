@@ -83,6 +83,46 @@ def test_levels_pass_the_gate_and_round_trip_through_a_checkpoint():
     assert torch.equal(d._levels["w"], c._levels["w"])
 
 
+def test_the_leaders_and_the_others_messages_have_levels_of_their_own():
+    """The leader's message holds its own largest values, another rank's its values at those
+    positions, small ones among them: levels fitted per role carry the aggregate with a clearly
+    smaller error than one set fitted to both kinds of message."""
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for step in range(16):
+        lead = step % 2
+        own = torch.randn(2, 3000, generator=g)
+        support = own[lead].abs().topk(300).indices.sort().values  # the leader's top tenth
+        samples.append(("w", step, lead, 3000, own[:, support] * 1e-3))
+    by_role = torch.ones(1, 2, 2)
+    levels.fit_layers(samples, samples, ["w"], by_role)
+    assert by_role[0, levels.LEADER, 0] > 2 * by_role[0, levels.OTHERS, 0]  # the leader's smallest is large
+    one = levels.fit_levels(torch.cat([levels.relative_magnitudes(s[4]) for s in samples]), 2)
+
+    def error(table: torch.Tensor) -> float:
+        ((e, r),) = levels.aggregate_errors(samples, {"w": table}).values()
+        return math.sqrt(e / r)
+
+    assert error(by_role[0]) < 0.8 * error(one.expand(2, 2))
+
+
+def test_a_checkpoint_with_one_set_of_levels_resumes_with_it_for_both_roles():
+    """Checkpoints written before the levels had a row per role hold one row a layer."""
+    c = LGCCodec(ratio=RATIO)
+    _samples(c, 16, 0.3)
+    c.train_autoencoder()
+    old = c.state_dict()
+    old["levels"] = {k: v[levels.LEADER].clone() for k, v in old["levels"].items()}
+    buf = io.BytesIO()
+    torch.save(old, buf)
+    buf.seek(0)
+    d = LGCCodec(ratio=RATIO)
+    d.load_state_dict(torch.load(buf, weights_only=True))
+    assert d._levels["w"].shape == (2, 2) and d.ae_layers == c.ae_layers
+    assert torch.equal(d._levels["w"][levels.OTHERS], old["levels"]["w"])
+    assert torch.equal(d._levels["w"][levels.LEADER], old["levels"]["w"])
+
+
 def test_gate_refuses_a_code_above_the_threshold():
     """A sign alone (1 bit) cannot carry values to within 1 %: every layer stays exact."""
     c = LGCCodec(ratio=RATIO, code_bits=1, max_recon_error=0.01)
@@ -244,7 +284,8 @@ def test_denser_samples_are_cut_to_the_configured_support_and_fit_levels_of_thei
     assert list(c.ae_layers) == ["w"] and c.ae_recon_error < 0.15  # two levels inside [2, 3] / RMS
     heavy, light = c._levels_for("w", heavy_k, 3000), c._levels_for("w", light_k, 3000)
     assert heavy is c._levels["w"] and light is c._levels_denser["w"]
-    assert light[0] < 0.5 * heavy[0]  # the denser support's lower level sits among its small values
+    # the denser support's lower level sits among its small values
+    assert light[levels.LEADER, 0] < 0.5 * heavy[levels.LEADER, 0]
     # both sets travel in the digest and the checkpoint; a checkpoint without the second loads
     d = LGCCodec(ratio=RATIO)
     d.load_state_dict(c.state_dict())

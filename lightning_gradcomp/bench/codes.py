@@ -54,6 +54,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ratio", type=float, default=1e-2, help="support fraction per layer (lgc's default 1e-2)")
     p.add_argument("--ae-epochs", type=int, default=3, help="AE passes over the samples (lgc's default 3)")
     p.add_argument("--ae-budget-s", type=float, default=60.0, help="cap on each AE's training, seconds")
+    p.add_argument(
+        "--light",
+        type=int,
+        default=0,
+        help="of the collected steps, the first LIGHT run the level controller's ten times denser support; the "
+        "learned codes then fit on those (cut to the leader's top `ratio`, as lgc cuts them) and are scored on the "
+        "last eighth of the steps at `ratio` (default 0: every step at `ratio`)",
+    )
+    p.add_argument("--no-autoencoders", action="store_true", help="leave out the autoencoder rows (minutes each)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="result directory (default docs/results/codes)")
 
@@ -107,9 +116,20 @@ def _camvid_task(
 
 
 def capture(
-    task: str, data: str | None, ranks: int, batch: int, warmup: int, collect: int, ratio: float, seed: int
+    task: str,
+    data: str | None,
+    ranks: int,
+    batch: int,
+    warmup: int,
+    collect: int,
+    ratio: float,
+    seed: int,
+    light: int = 0,
 ) -> Capture:
-    """Train ``warmup`` dense steps and ``collect`` stage-2 steps; keep the stage-2 values."""
+    """Train ``warmup`` dense steps and ``collect`` stage-2 steps; keep the stage-2 values. The
+    first ``light`` of those steps run a ten times denser support (the level controller's light
+    setting, ``min(10 ratio, 0.25)``); their values are kept cut to the leader's top ``ratio``, as
+    ``lgc`` cuts them for its levels."""
     from lightning_gradcomp.codecs.lgc import MIN_AE_LEN
     from lightning_gradcomp.codecs.sampling import keep_count
     from lightning_gradcomp.registry import make_codec
@@ -133,19 +153,23 @@ def capture(
             grads.append({n: p.grad.detach().flatten().clone() for n, p in named})
         kept: dict[str, Tensor] = {}
         leader = step % ranks
+        fraction = min(10 * ratio, 0.25) if warmup <= step < warmup + light else ratio
         for n, p in named:
             if step < warmup or n not in compressed:
                 mean = torch.stack([g[n] for g in grads]).mean(0)
             else:
                 xs = [g[n] + residual[r][n] for r, g in enumerate(grads)]
-                support = xs[leader].abs().topk(keep_count(ratio, cap.numels[n]), sorted=False).indices.sort().values
+                k = keep_count(ratio, cap.numels[n])
+                support = xs[leader].abs().topk(keep_count(fraction, cap.numels[n]), sorted=False).indices.sort().values
                 values = torch.stack([x[support] for x in xs])
                 for r, x in enumerate(xs):
                     x[support] = 0.0
                     residual[r][n] = x
-                kept[n] = values
                 mean = torch.zeros(cap.numels[n])
                 mean[support] = values.mean(0)
+                if values.shape[1] > k:  # a light step: kept as lgc keeps it, cut to the configured support
+                    values = values[:, values[leader].abs().topk(k, sorted=False).indices.sort().values]
+                kept[n] = values
             p.grad = mean.view_as(p)
         opt.step()
         if kept:
@@ -260,6 +284,27 @@ def _learned_levels(bits: int, train: list[dict[str, Tensor]]) -> Code:
     return code
 
 
+def _learned_levels_by_role(bits: int, train: list[dict[str, Tensor]], leaders: list[int]) -> Code:
+    """``lgc``'s code: as :func:`_learned_levels`, with one set of levels for the leader's message
+    (its own top-k values, all large) and one for the other ranks' (their values at the leader's
+    positions, small ones among them), fitted by the codec's own ``levels.fit_layers``: every rank
+    knows which it sends, so no byte more travels."""
+    from lightning_gradcomp.codecs import levels as lv
+
+    keys = list(train[0])
+    samples = [(key, step, lead, 0, v) for step, (s, lead) in enumerate(zip(train, leaders)) for key, v in s.items()]
+    fitted = torch.ones(len(keys), 2, 2 ** (bits - 1))
+    lv.fit_layers(samples, samples[:1], keys, fitted)
+    table = dict(zip(keys, fitted))
+
+    def code(v: Tensor, leader: int, key: str) -> tuple[Tensor, Tensor | None, float]:
+        rows = [table[key][lv.role(r, leader)] for r in range(v.shape[0])]
+        per_rank = torch.stack([lv.dequantize(*lv.quantize(x, t), t) for x, t in zip(v, rows)])
+        return per_rank.mean(0), per_rank, (math.ceil(v.shape[1] * bits / 8) + 4) / v.shape[1]
+
+    return code
+
+
 def _leader_scaled(train: list[dict[str, Tensor]], leaders: list[int]) -> Code:
     """``m ~ a v_lead`` with ``a`` the least-squares factor of each layer on the training steps."""
     num: dict[str, float] = {}
@@ -334,11 +379,12 @@ def inter_rank_cosine(held: list[dict[str, Tensor]]) -> float:
 
 def main(args: argparse.Namespace) -> int:
     batch = args.batch_size or (32 if args.task == "cifar10" else 4)
-    cap = capture(args.task, args.data, args.ranks, batch, args.warmup, args.collect, args.ratio, args.seed)
+    cap = capture(args.task, args.data, args.ranks, batch, args.warmup, args.collect, args.ratio, args.seed, args.light)
     steps = _normalized(cap)
     n_held = max(1, len(steps) // 8)
-    train, held = steps[:-n_held], steps[-n_held:]
-    lead_train, lead_held = cap.leaders[:-n_held], cap.leaders[-n_held:]
+    n_train = args.light if args.light else len(steps) - n_held  # under the controller: fitted on the light steps
+    train, held = steps[:n_train], steps[-n_held:]
+    lead_train, lead_held = cap.leaders[:n_train], cap.leaders[-n_held:]
     keys = list(cap.numels)
     print(
         f"{args.task}: {len(keys)} layers compressed, "
@@ -356,21 +402,25 @@ def main(args: argparse.Namespace) -> int:
               f"{r['bytes_per_value']:.3f} B/value", flush=True)  # fmt: skip
 
     add("fp32 values (stage 2)", _per_layer(lambda v, lead, k: (v.mean(0), v, 4.0)))
-    for variant in ("rar", "ps"):
-        codec, fit_s, _ = _fit_lgc(train, held, cap.leaders, variant, 16, args)
+    for variant in () if args.no_autoencoders else ("rar", "ps"):
+        codec, fit_s, _ = _fit_lgc(train, held, lead_train + lead_held, variant, 16, args)
         add(f"AE per layer, {variant} (lgc today)", _per_layer(_ae_codes(codec, False)), fit_s)
         add(f"AE per layer, {variant}, 8-bit latent", _per_layer(_ae_codes(codec, True)), fit_s)
-    # one AE over the whole model's values (width 64 as the re-implementation)
-    cat = lambda ss: [{"__model__": torch.cat([s[k] for k in keys], dim=1)} for s in ss]  # noqa: E731
-    codec, fit_s, _ = _fit_lgc(cat(train), cat(held), cap.leaders, "rar", 64, args)
-    add("AE whole model, rar, width 64", _whole_model(_ae_codes(codec, False), keys), fit_s)
-    add("AE whole model, rar, width 64, 8-bit latent", _whole_model(_ae_codes(codec, True), keys), fit_s)
+    if not args.no_autoencoders:  # one AE over the whole model's values (width 64 as the re-implementation)
+        cat = lambda ss: [{"__model__": torch.cat([s[k] for k in keys], dim=1)} for s in ss]  # noqa: E731
+        codec, fit_s, _ = _fit_lgc(cat(train), cat(held), lead_train + lead_held, "rar", 64, args)
+        add("AE whole model, rar, width 64", _whole_model(_ae_codes(codec, False), keys), fit_s)
+        add("AE whole model, rar, width 64, 8-bit latent", _whole_model(_ae_codes(codec, True), keys), fit_s)
     add("range float, 8 bits", _per_layer(_rangefloat(8)))
     add("range float, 4 bits", _per_layer(_rangefloat(4)))
     add("scaled sign, 1 bit", _per_layer(_scaled_sign))
     for bits in (2, 3):
         add(f"sign + uniform magnitude, {bits} bits", _per_layer(_uniform_magnitude(bits)))
-        add(f"sign + learned levels, {bits} bits", _per_layer(_learned_levels(bits, train)))
+        add(f"sign + learned levels, one set, {bits} bits", _per_layer(_learned_levels(bits, train)))
+        add(
+            f"sign + learned levels, the leader's and the others' (lgc), {bits} bits",
+            _per_layer(_learned_levels_by_role(bits, train, lead_train)),
+        )
     add("leader's values, scaled (fp32)", _per_layer(_leader_scaled(train, lead_train)))
     cosine = inter_rank_cosine(held)
     print(f"  cosine between two ranks' values on the support: {cosine:.3f}")
@@ -385,7 +435,7 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(rows, columns))
     out = Path(args.out or paths.results_dir("codes"))
     write_json(
-        out / f"codes_{args.task}.json",
+        out / f"codes_{args.task}{'_light' if args.light else ''}.json",
         {
             "command": "python -m lightning_gradcomp.bench " + " ".join(args.argv),
             "machine": machine_info(),

@@ -172,6 +172,9 @@ class CompressionReport(Callback):
         report_lines = getattr(state.codec if state is not None else None, "report_lines", None)
         if report_lines is not None:  # what a codec that chooses (auto) chose
             result["codec_report"] = list(report_lines())
+        values_run = getattr(state.codec if state is not None else None, "values_run", None)
+        if values_run is not None:  # lgc: support values its learned code carried, of those sent, by support size
+            result["learned_code_values"] = {name: list(tally) for name, tally in values_run.items()}
         if adaptive is not None:
             # optimizer steps run at each compression level, as AdaptiveCompression set it
             result["level_steps"] = {f"{level:g}": n for level, n in sorted(adaptive.steps_at_level.items())}

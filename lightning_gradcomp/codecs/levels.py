@@ -8,6 +8,12 @@ on the stage-2 values of every rank, so they follow the distribution that the to
 model actually have: on ResNet-18/CIFAR-10 and PSPNet/CamVid that distribution is far from
 uniform, and fitted levels halve the error of evenly spaced ones at 2 bits (docs/codecs/lgc.md).
 
+Each layer has two sets of levels, one per *role*: the leader's message holds its own largest
+values (all of them above a threshold), another rank's holds its values at the leader's positions
+(small ones among them), and the two are distributed very differently in units of their RMS.
+Every rank knows its role at every step, so the split costs no byte on the wire; on ResNet-18 it
+cut the error of the decoded mean at 2 bits from 0.275 to 0.172 (docs/codecs/lgc.md).
+
 A message is ``[r (fp32), packed codes]``. Each rank's decoded values are known to that rank
 exactly, and the sum of the decoded messages is what the all-gather delivers, so error feedback
 keeps exactly what the code lost.
@@ -21,6 +27,9 @@ from torch import Tensor
 from lightning_gradcomp.codecs.bits import codes_nbytes, pack_codes, unpack_codes
 
 __all__ = [
+    "LEADER",
+    "OTHERS",
+    "aggregate_errors",
     "decode",
     "dequantize",
     "encode",
@@ -29,7 +38,16 @@ __all__ = [
     "message_nbytes",
     "quantize",
     "relative_magnitudes",
+    "role",
 ]
+
+#: the rows of a layer's levels: the leader's message, and every other rank's
+LEADER, OTHERS = 0, 1
+
+
+def role(rank: int, leader: int) -> int:
+    """The row of the levels that ``rank``'s message uses when ``leader`` leads."""
+    return LEADER if rank == leader else OTHERS
 
 
 def relative_magnitudes(values: Tensor) -> Tensor:
@@ -103,32 +121,43 @@ def message_nbytes(n: int, bits: int) -> int:
 def fit_layers(
     train: list, val: list, keys: list[str], fitted: Tensor, seed: int = 0
 ) -> tuple[float, dict[str, tuple[float, float]]]:
-    """``lgc``'s switch: fit the levels of each layer in ``keys`` (into the rows of ``fitted``) on
-    the stage-2 samples ``train`` (``(key, step, leader, numel, (N, K) values)``, every rank's
-    messages). Return the relative error of the decoded aggregate on ``train`` and, per layer, its
-    squared error and squared norm on ``val``, in units of the leader's RMS (as for the
-    autoencoder, so the gate reads both alike)."""
-    count = fitted.shape[1]
+    """``lgc``'s switch: fit the levels of each layer in ``keys`` on the stage-2 samples ``train``
+    (``(key, step, leader, numel, (N, K) values)``, every rank's messages) into ``fitted``, of shape
+    ``(len(keys), 2, count)``: row :data:`LEADER` on the leaders' messages, row :data:`OTHERS` on
+    the other ranks' (the leader's where there were none, on one rank). Return the relative error of
+    the decoded aggregate on ``train`` and, per layer, its squared error and squared norm on
+    ``val``, in units of the leader's RMS (as for the autoencoder, so the gate reads both alike)."""
+    count = fitted.shape[-1]
     for i, key in enumerate(keys):
-        values = [smp[4] for smp in train if smp[0] == key]
-        if not values:  # no sample of this layer: its row keeps what it held
+        samples = [(smp[2], smp[4].float().cpu()) for smp in train if smp[0] == key]
+        if not samples:  # no sample of this layer: its rows keep what they held
             continue
-        magnitudes = torch.cat([relative_magnitudes(v.float().cpu()) for v in values])
-        fitted[i] = fit_levels(magnitudes, count, seed=seed + i).to(fitted.device)
+        lead = torch.cat([relative_magnitudes(v[ld]) for ld, v in samples])
+        others = torch.cat([relative_magnitudes(torch.cat([v[:ld], v[ld + 1 :]])) for ld, v in samples])
+        lead_row = fitted[i, LEADER] = fit_levels(lead, count, seed=seed + i).to(fitted.device)
+        # on one rank there is no other message, and the leader's levels stand in
+        fitted[i, OTHERS] = fit_levels(others, count, seed=seed + i).to(fitted.device) if others.numel() else lead_row
+
     by_key = {k: fitted[i] for i, k in enumerate(keys)}
-    errors = {}
-    for name, part in (("train", train), ("val", val)):
-        out: dict[str, tuple[float, float]] = {}
-        for key, _, lead, _, v in part:
-            v = v.float()
-            scale = v[lead].pow(2).mean().sqrt().clamp_min(1e-30)
-            decoded = torch.stack([dequantize(*quantize(row, by_key[key]), by_key[key]) for row in v])
-            e, r = out.get(key, (0.0, 0.0))
-            out[key] = (
-                e + float((decoded.mean(0) - v.mean(0)).div(scale).pow(2).sum()),
-                r + float(v.mean(0).div(scale).pow(2).sum()),
-            )
-        errors[name] = out
-    train_errors = errors["train"].values()
+    train_errors = aggregate_errors(train, by_key).values()
     error = (sum(e for e, _ in train_errors) / max(sum(r for _, r in train_errors), 1e-30)) ** 0.5
-    return error, errors["val"]
+    return error, aggregate_errors(val, by_key)
+
+
+def aggregate_errors(samples: list, tables: dict[str, Tensor]) -> dict[str, tuple[float, float]]:
+    """Per layer of ``samples`` (as :func:`fit_layers` takes them), the squared error of the decoded
+    aggregate ``mean_i v_i`` with each rank's message coded on its role's row of ``tables[key]``,
+    and the aggregate's squared norm, both in units of the leader's RMS."""
+    out: dict[str, tuple[float, float]] = {}
+    for key, _, lead, _, v in samples:
+        v = v.float()
+        scale = v[lead].pow(2).mean().sqrt().clamp_min(1e-30)
+        table = tables[key].to(v.device)
+        rows = [table[role(r, lead)] for r in range(v.shape[0])]
+        decoded = torch.stack([dequantize(*quantize(x, t), t) for x, t in zip(v, rows)])
+        e, r = out.get(key, (0.0, 0.0))
+        out[key] = (
+            e + float((decoded.mean(0) - v.mean(0)).div(scale).pow(2).sum()),
+            r + float(v.mean(0).div(scale).pow(2).sum()),
+        )
+    return out

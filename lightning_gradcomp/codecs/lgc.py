@@ -446,7 +446,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
                 if a and not ae:
                     # the run-time guard: the leader's own values through the code, this step
                     v = x[idx]
-                    own_codes[i] = levels.encode(v, self._levels_for(key, k, n), self.options.code_bits)
+                    own_codes[i] = levels.encode(v, self._levels_for(key, k, n, levels.LEADER), self.options.code_bits)
                     flags.append(self._within_gate(v, own_codes[i][1]))
                 elif a:
                     v = x[idx]
@@ -556,7 +556,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
             message, rec = (
                 own_code
                 if own_code is not None
-                else levels.encode(v, self._levels_for(key, k, x.numel()), self.options.code_bits)
+                else levels.encode(v, self._levels_for(key, k, x.numel(), self._role(step)), self.options.code_bits)
             )
             local[idx] = rec
             return EncodeResult(message, local=local, ctx=ctx)
@@ -595,8 +595,9 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         out = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
         k = idx.numel()
         if coded and not self.uses_autoencoder:  # every rank's levels message, decoded and summed
-            lv, bits = self._levels_for(key, k, numel), self.options.code_bits
-            out[idx] = torch.stack([levels.decode(p, lv, bits, k) for p in payloads]).sum(0)
+            table, bits, leader = self._levels_for(key, k, numel), self.options.code_bits, step % len(payloads)
+            decoded = [levels.decode(p, table[levels.role(r, leader)], bits, k) for r, p in enumerate(payloads)]
+            out[idx] = torch.stack(decoded).sum(0)
             return out
         if not coded:  # stage 2, a layer too short for the code, or one the guard sent exactly
             values = torch.stack([p[0].float() for p in payloads])
@@ -636,8 +637,9 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         device = self._device()
         stats = torch.zeros(2 + len(keys), dtype=torch.float64, device=device)
         count = 2 ** (self.options.code_bits - 1)
-        # the levels of the configured support, those of a denser one, and whether the latter exist
-        fitted = torch.ones(2, len(keys) + 1, count, dtype=torch.float32, device=device)
+        # the levels (each layer's leader's and others') of the configured support, those of a
+        # denser one, and in the last row whether the latter exist
+        fitted = torch.ones(2, len(keys) + 1, 2, count, dtype=torch.float32, device=device)
         fitted[1, -1] = 0.0
         if self.rank == 0:
             if self.uses_autoencoder:
@@ -659,7 +661,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
             self.context.broadcast(stats, 0)
         if not self.uses_autoencoder:
             self._levels = {k: fitted[0, i].clone() for i, k in enumerate(keys)}
-            has_denser = bool(fitted[1, -1, 0] > 0.5)  # once, at the switch
+            has_denser = bool(fitted[1, -1, 0, 0] > 0.5)  # once, at the switch
             self._levels_denser = {k: fitted[1, i].clone() for i, k in enumerate(keys)} if has_denser else {}
         if self.world_size > 1:
             self.context.agree(self.ae_digest(), "lgc: the learned code differs between ranks after the broadcast")
@@ -710,12 +712,19 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
             configured.append((key, step, lead, numel, values))
         return configured, denser
 
-    def _levels_for(self, key: str, k: int, numel: int) -> Tensor:
+    def _levels_for(self, key: str, k: int, numel: int, role: int | None = None) -> Tensor:
         """The levels of ``key`` for a support of ``k`` values: those fitted to the denser support
-        when ``k`` is above the configured size and they exist, else the configured support's."""
+        when ``k`` is above the configured size and they exist, else the configured support's; a
+        ``(2, count)`` table (the leader's row and the others'), or the row of ``role``."""
         if k > keep_count(self.options.ratio, numel) and key in self._levels_denser:
-            return self._levels_denser[key]
-        return self._levels[key]
+            table = self._levels_denser[key]
+        else:
+            table = self._levels[key]
+        return table if role is None else table[role]
+
+    def _role(self, step: int) -> int:
+        """This rank's row of the levels at ``step``: the leader's, or the others'."""
+        return levels.role(self.rank, step % self.world_size)
 
     def _fit_levels(self, keys: list[str], fitted: Tensor) -> tuple[float, dict[str, tuple[float, float]]]:
         """Fit ``fitted[0]`` to the configured support's samples (their held-out error is the gate)
@@ -829,9 +838,9 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
                 "or restart before the switch"
             )
         device = next(self.ae.parameters()).device
-        self._levels = {str(k): v.to(device) for k, v in state.get("levels", {}).items()}
+        self._levels = {str(k): _by_role(v).to(device) for k, v in state.get("levels", {}).items()}
         # before the denser support had levels of its own it used the configured support's
-        self._levels_denser = {str(k): v.to(device) for k, v in state.get("levels_denser", {}).items()}
+        self._levels_denser = {str(k): _by_role(v).to(device) for k, v in state.get("levels_denser", {}).items()}
         for name, tally in state.get("values_run", {}).items():  # absent before it was counted
             self._values_run[str(name)] = [int(v) for v in tally]
         with self._samples_lock:
@@ -847,3 +856,9 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._samples_lock = threading.Lock()
+
+
+def _by_role(table: Tensor) -> Tensor:
+    """A layer's levels as a ``(2, count)`` table, the leader's row and the others': a checkpoint
+    written before the levels had a row per role holds one row, which served both."""
+    return table.expand(2, -1).clone() if table.dim() == 1 else table
