@@ -160,7 +160,9 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
-def _train_levels(rank: int, world: int, light_collect: bool = False) -> dict:
+def _train_levels(
+    rank: int, world: int, light_collect: bool = False, refit_every: int = 0, stage3: int = STAGE3
+) -> dict:
     """``light_collect``: stage 2 runs at compression level 0 (the controller's light level: a
     support 2.5 times denser here), stage 3 at level 1, and its last step at level 0 again."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -172,13 +174,15 @@ def _train_levels(rank: int, world: int, light_collect: bool = False) -> dict:
     model = _mlp()
     ddp = DDP(model)
     opts = dict(warmup_steps=WARMUP, ae_train_steps=COLLECT, ratio=RATIO, min_numel=1000, dense_layers="none")
+    opts["refit_every"] = refit_every
     state, hook = make_comm_hook("lgc", ddp, stats_every=1, **opts)
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     shared = torch.Generator().manual_seed(5)  # the same on both ranks: most of each batch
     own = torch.Generator().manual_seed(100 + rank)
     rows = []
-    total = WARMUP + COLLECT + STAGE3
+    total = WARMUP + COLLECT + stage3
+    at_switch = {}
     for step in range(total):
         if light_collect:
             state.codec.set_level(0.0 if step < WARMUP + COLLECT or step == total - 1 else 1.0)
@@ -202,6 +206,8 @@ def _train_levels(rank: int, world: int, light_collect: bool = False) -> dict:
             }
         )
         opt.step()
+        if step == WARMUP + COLLECT:
+            at_switch = {k: v.tolist() for k, v in state.codec._levels.items()}
     codec = state.codec
     denser = sorted(codec._levels_denser)
     return {
@@ -210,6 +216,9 @@ def _train_levels(rank: int, world: int, light_collect: bool = False) -> dict:
         "layers": codec.ae_layers,
         "denser": denser,
         "values_run": codec.values_run,
+        "refits": codec.refits,
+        "levels": {k: v.tolist() for k, v in codec._levels.items()},
+        "levels_at_switch": at_switch,
         "summary": AutoencoderWarmup.summary(codec, total),
     }
 
@@ -321,3 +330,69 @@ def test_levels_fitted_on_a_denser_stage_2_carry_the_configured_support_on_two_r
             f"over the run it carried 100 % of {2 * support:,} at the configured support "
             f"and 100 % of {denser:,} at the denser support"
         )
+
+
+# --------------------------------------------------------------------------------------------------
+# the levels follow the run: fitted again in stage 3 on rank 0's own messages
+def test_refit_rows_fits_each_role_on_its_own_messages_and_reports_the_held_out_error():
+    g = torch.Generator().manual_seed(0)
+    rows = torch.tensor([[1.0, 2.0], [1.0, 2.0]])
+    samples = []
+    for step in range(16):
+        r = step % 2
+        centres = (0.5, 1.5) if r == levels.LEADER else (0.2, 3.0)
+        m = torch.tensor(centres).repeat(500) + 0.01 * torch.randn(1000, generator=g)
+        samples.append(("w", step, r, False, m))
+    error = levels.refit_rows(samples, rows, 2)
+    assert rows[levels.LEADER].tolist() == pytest.approx([0.5, 1.5], abs=0.01)
+    assert rows[levels.OTHERS].tolist() == pytest.approx([0.2, 3.0], abs=0.01)
+    assert error is not None and error < 0.02
+    # a role seen on fewer than two (training) steps keeps its row; no sample: nothing
+    kept = torch.tensor([[1.0, 2.0], [7.0, 9.0]])
+    assert levels.refit_rows([s for s in samples if s[2] == levels.LEADER][:3] + samples[1:2], kept, 2) is not None
+    assert kept[levels.OTHERS].tolist() == [7.0, 9.0]
+    assert levels.refit_rows([], kept, 2) is None
+
+
+def test_a_refit_gates_layers_again_on_what_the_run_sends_now():
+    """Levels fitted at the switch on values in [2, 3] of their RMS scale; later the messages hold
+    a wide spread, which those levels carry badly: the refit fits them again and the layer keeps
+    the code; a spread no two levels can carry takes the layer off the code until a later refit."""
+    c = LGCCodec(ratio=RATIO, refit_every=4)
+    _samples(c, 16, 0.3)
+    c.train_autoencoder()
+    assert list(c.ae_layers) == ["w"] and c.refits == 0
+    before = c._levels["w"].clone()
+    g = torch.Generator().manual_seed(1)
+    start = c.ae_start_step
+    for step in range(start, start + 4):  # two clusters of magnitudes, far from the switch's levels
+        v = torch.cat([0.1 * torch.ones(150), 4.0 * torch.ones(150)]) * torch.sign(torch.randn(300, generator=g))
+        c._keep_for_refit("w", step, v + 0.001 * torch.randn(300, generator=g), denser=False)
+    c.refit_levels()
+    assert c.refits == 1 and not torch.equal(c._levels["w"], before)
+    assert "w" in c.ae_layers and c.ae_layers["w"] < 0.05
+    assert c._refit_samples == []  # the next refit fits on what comes after this one
+    for step in range(start + 4, start + 8):  # magnitudes spread evenly over [0, 100]: two levels fail
+        v = torch.linspace(0, 100, 300) ** 2 * torch.sign(torch.randn(300, generator=g))
+        c._keep_for_refit("w", step, v, denser=False)
+    c.refit_levels()
+    assert c.refits == 2 and c.ae_layers == {}
+    d = LGCCodec(ratio=RATIO, refit_every=4)  # the checkpoint holds the refitted levels and the count
+    d.load_state_dict(c.state_dict())
+    assert d.refits == 2 and d.ae_digest() == c.ae_digest() and d.ae_layers == {}
+
+
+def test_levels_fitted_again_in_stage_3_stay_identical_on_two_ranks():
+    """refit_every=4: the levels are fitted again after four stage-3 steps, on rank 0's messages
+    (two as the leader, two as the other rank), broadcast and checked; error feedback stays exact."""
+    res = run_gloo(_train_levels, world_size=2, args=(False, 4, 5), timeout=300)
+    assert res[0]["refits"] == res[1]["refits"] == 1
+    assert res[0]["digest"] == res[1]["digest"] and res[0]["levels"] == res[1]["levels"]
+    for key, table in res[0]["levels"].items():  # both rows fitted again, on other values
+        assert table[0] != res[0]["levels_at_switch"][key][0] and table[1] != res[0]["levels_at_switch"][key][1]
+    assert res[0]["layers"] == res[1]["layers"]
+    for r in res:
+        for row in r["rows"]:
+            assert row["identical"]
+        for row in r["rows"][WARMUP + COLLECT :]:
+            assert row["err_sq"] == pytest.approx(row["residual_sq"], rel=1e-6)

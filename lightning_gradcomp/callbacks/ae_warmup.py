@@ -105,6 +105,8 @@ class AutoencoderWarmup(ScheduleOverride):
             )
             if used < eligible:
                 how += "; the run-time guard sent the other layers' values exactly"
+            if codec.refits:
+                how += f"; the levels were fitted again {codec.refits} time(s) after the switch"
             how += AutoencoderWarmup._over_the_run(codec)
         elif eligible:
             how = (

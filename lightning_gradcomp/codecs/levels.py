@@ -36,7 +36,9 @@ __all__ = [
     "fit_layers",
     "fit_levels",
     "message_nbytes",
+    "nearest",
     "quantize",
+    "refit_rows",
     "relative_magnitudes",
     "role",
 ]
@@ -79,16 +81,20 @@ def fit_levels(magnitudes: Tensor, count: int, iters: int = 30, max_samples: int
     return centers.sort().values.float()
 
 
+def nearest(magnitudes: Tensor, levels: Tensor) -> Tensor:
+    """The index of the level nearest to each of ``magnitudes`` (``levels`` sorted ascending)."""
+    # the levels are sorted, so the nearest one is found by the midpoints between them: no
+    # (values x levels) distance table on the hot path; a tie goes to the lower level
+    return torch.bucketize(magnitudes, (levels[1:] + levels[:-1]) / 2)
+
+
 def quantize(values: Tensor, levels: Tensor) -> tuple[Tensor, Tensor]:
     """``(r, codes)``: the RMS of ``values`` (a 1-element fp32 tensor) and one int32 code per value,
     ``sign bit << log2(len(levels)) | index of the nearest level``; ``levels`` sorted ascending,
     as :func:`fit_levels` returns them."""
     rms = values.pow(2).mean().sqrt().reshape(1).float()
     levels = levels.to(values.device)
-    rel = values.abs() / rms.clamp_min(1e-30)
-    # the levels are sorted, so the nearest one is found by the midpoints between them: no
-    # (values x levels) distance table on the hot path; a tie goes to the lower level
-    index = torch.bucketize(rel, (levels[1:] + levels[:-1]) / 2).to(torch.int32)
+    index = nearest(values.abs() / rms.clamp_min(1e-30), levels).to(torch.int32)
     sign = (values < 0).to(torch.int32) << (levels.numel().bit_length() - 1)
     return rms, sign | index
 
@@ -161,3 +167,30 @@ def aggregate_errors(samples: list, tables: dict[str, Tensor]) -> dict[str, tupl
             r + float(v.mean(0).div(scale).pow(2).sum()),
         )
     return out
+
+
+def refit_rows(samples: list, rows: Tensor, count: int, seed: int = 0) -> float | None:
+    """``lgc``'s refit in stage 3: fit the rows of one layer's levels (``rows``, ``(2, count)``,
+    written in place) again on one rank's own messages ``samples``, as ``(key, step, role, denser,
+    relative magnitudes)``, and return the relative error of those messages on the held-out steps
+    (the most recent eighth), or None without samples.
+
+    A role's row is fitted again only from at least two steps of that role; otherwise it stays.
+    The error is that of the kept magnitudes, which in units of each message's RMS is the error of
+    its values (a value decodes to ``sign(v) r c_j``)."""
+    steps = sorted({smp[1] for smp in samples})
+    if not steps:
+        return None
+    n_val = len(steps) // 8
+    held = set(steps[len(steps) - n_val :]) if n_val else set()
+    for r in (LEADER, OTHERS):
+        train = [smp for smp in samples if smp[2] == r and smp[1] not in held]
+        if len({smp[1] for smp in train}) >= 2:
+            magnitudes = torch.cat([smp[4].cpu() for smp in train])
+            rows[r] = fit_levels(magnitudes, count, seed=seed).to(rows.device)
+    err = ref = 0.0
+    for _, _, r, _, m in [smp for smp in samples if smp[1] in held] or samples:
+        table = rows[r].to(m.device)
+        err += float((m - table[nearest(m, table)]).pow(2).sum())
+        ref += float(m.pow(2).sum())
+    return (err / ref) ** 0.5 if ref > 0 else None

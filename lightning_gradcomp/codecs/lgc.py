@@ -95,6 +95,8 @@ MIN_AE_LEN = 64
 CODES = ("levels", "autoencoder")
 VARIANTS = ("rar", "ps")
 SELECTIONS = ("sampled", "exact")
+#: relative magnitudes kept a layer and step for a refit of the levels (a seeded subsample)
+REFIT_VALUES = 4096
 #: the paper's stage lengths (SOFF: 200 dense rounds, 300 collecting), the caps of fractions
 WARMUP_CAP, AE_TRAIN_CAP = 200, 300
 
@@ -139,6 +141,7 @@ class LGCOptions(CodecOptions):
     ae_epochs: int = 3
     ae_time_budget_s: float = 30.0
     ae_samples: int = 64
+    refit_every: int = 100
     selection: str = "sampled"
     max_recon_error: float = 0.3
     ae_error_feedback: bool = True
@@ -173,6 +176,7 @@ class LGCOptions(CodecOptions):
             raise ValueError(f"ae_time_budget_s must be a positive number of seconds, got {budget!r}")
         self._set("ae_time_budget_s", float(budget))
         check_positive_int("ae_samples", self.ae_samples)
+        check_positive_int("refit_every", self.refit_every, allow_zero=True)
         check_choice("selection", self.selection, SELECTIONS)
         max_recon_error = self.max_recon_error
         if not (isinstance(max_recon_error, (int, float)) and max_recon_error > 0):
@@ -223,6 +227,13 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         ae_epochs: passes over the collected samples when the AE is trained.
         ae_time_budget_s: wall-clock cap on AE training (it stalls every rank while it runs).
         ae_samples: how many of stage 2's last steps are kept as training data.
+        refit_every: ``"levels"``: every this many stage-3 steps the levels are fitted again, on
+            rank 0's own messages since the last fit (its values as the leader and as another
+            rank, at each support size), and the gate is applied again; 0: the levels stay as
+            fitted at the switch. Default 100: with the levels fixed at the switch (step 117 of
+            a one-epoch ResNet-18 run) the code carried all 19 layers at step 160 and 15 of them,
+            46 % of the values, at step 600, as the gradients' distribution drifted
+            (docs/codecs/lgc.md, "The levels follow the run").
         selection: how the leader finds the top-k: ``"sampled"`` (threshold from a random sample,
             then exact top-k among the candidates, as DGC; ~3x cheaper) or ``"exact"``.
         max_recon_error: a layer uses the AE in stage 3 only if the held-out relative error of its
@@ -270,6 +281,10 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         self._levels_denser: dict[str, Tensor] = {}  # the same, for a support denser than ``ratio``
         self._samples: list[tuple[str, int, int, int, Tensor]] = []  # key, step, leader, numel, (N, K) values
         self._samples_lock = threading.Lock()
+        # "levels" in stage 3, rank 0 only: its own messages since the last fit, as
+        # (key, step, role, denser, relative magnitudes, at most REFIT_VALUES of them)
+        self._refit_samples: list[tuple[str, int, int, bool, Tensor]] = []
+        self._refits = 0  # fits of the levels after the switch
         self.last_timing: dict[str, float] = {}
         self._ae_layers_used = (0, 0)  # of the last step: layers the AE carried, layers it may carry
         self._values_used = (0, 0, 0)  # of the last step: values the code carried, support values, their code's bytes
@@ -317,6 +332,11 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         (``"configured"``) and at a denser one (``"denser"``, the level controller's light steps):
         how many support values the learned code carried, and how many the supports held."""
         return {name: (c, n) for name, (c, n) in self._values_run.items()}
+
+    @property
+    def refits(self) -> int:
+        """How many times the levels were fitted again after the switch (``refit_every``)."""
+        return self._refits
 
     @property
     def ae_train_s(self) -> float:
@@ -547,6 +567,8 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         v = x[idx]
         local = torch.zeros_like(x)
         k = idx.numel()
+        if self.rank == 0 and self._refitting(step) and key in self._levels:
+            self._keep_for_refit(key, step, v, k > keep_count(self.options.ratio, x.numel()))
         if not coded:  # stage 2, a layer the code does not carry, or one the guard sent exactly
             local[idx] = v
             return EncodeResult([v], local=local, ctx=_LayerContext(idx, s, None, step, key, False))
@@ -622,6 +644,80 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
     def on_step_end(self, step: int) -> None:
         if step + 1 >= self.ae_start_step and not self.ae_trained:
             self.train_autoencoder()
+        elif self._refitting(step) and (step + 1 - self.ae_start_step) % self.options.refit_every == 0:
+            self.refit_levels()
+
+    def _refitting(self, step: int) -> bool:
+        """Whether the levels are fitted again in stage 3 (and rank 0 keeps its messages for it)."""
+        return (
+            not self.uses_autoencoder
+            and self.options.refit_every > 0
+            and self.ae_trained
+            and step >= self.ae_start_step
+        )
+
+    def _keep_for_refit(self, key: str, step: int, v: Tensor, denser: bool) -> None:
+        """Rank 0: keep a seeded subsample of ``|v| / RMS(v)`` of its own message (the RMS of the
+        whole message, as it travels), with its role, for the next fit."""
+        m = levels.relative_magnitudes(v.detach().float())
+        if m.numel() > REFIT_VALUES:
+            g = torch.Generator(device="cpu").manual_seed(self.options.seed * 1_000_003 + step)
+            m = m[torch.randperm(m.numel(), generator=g)[:REFIT_VALUES].to(m.device)]
+        with self._samples_lock:
+            self._refit_samples.append((key, step, self._role(step), denser, m.clone()))
+            first = step - self.options.refit_every  # only what came since the last fit
+            if self._refit_samples[0][1] <= first:
+                self._refit_samples = [smp for smp in self._refit_samples if smp[1] > first]
+
+    def refit_levels(self) -> None:
+        """Fit the levels again on rank 0's messages since the last fit, broadcast them, check them.
+
+        Must run on every rank at the same point (it broadcasts). In stage 3 no rank sees the
+        others' exact values, but rank 0 sends as the leader on some steps and as another rank on
+        the others, so its own messages hold both roles' values. For each layer and support size
+        (the configured one, and the denser one where its levels exist), a role's row is fitted
+        again when rank 0 sent that role on at least two steps; the most recent eighth of the steps
+        is held out, and a layer keeps the code where the held-out error of rank 0's messages at
+        the configured support is at most ``max_recon_error`` (the gate, now per rank rather than
+        of the aggregate). Nothing is fitted and no layer changes where there are no samples."""
+        keys = sorted(self._levels)
+        if not keys:
+            return
+        device = self._device()
+        count = 2 ** (self.options.code_bits - 1)
+        # [configured, denser] x layer x role x level, and each layer's held-out error (NaN: none)
+        fitted = torch.stack(
+            [
+                torch.stack([self._levels[k] for k in keys]),
+                torch.stack([self._levels_denser.get(k, self._levels[k]) for k in keys]),
+            ]
+        ).to(device=device, dtype=torch.float32)
+        errors = torch.full((len(keys),), float("nan"), dtype=torch.float32, device=device)
+        if self.rank == 0:
+            with self._samples_lock:
+                samples, self._refit_samples = self._refit_samples, []
+            for i, key in enumerate(keys):
+                for which in (0, 1) if key in self._levels_denser else (0,):
+                    mine = [smp for smp in samples if smp[0] == key and smp[3] == bool(which)]
+                    error = levels.refit_rows(mine, fitted[which, i], count, self.options.seed + i)
+                    if which == 0 and error is not None:
+                        errors[i] = error
+        if self.world_size > 1:
+            self.context.broadcast(fitted, 0)
+            self.context.broadcast(errors, 0)
+        self._levels = {k: fitted[0, i].clone() for i, k in enumerate(keys)}
+        if self._levels_denser:
+            self._levels_denser = {k: fitted[1, i].clone() for i, k in enumerate(keys) if k in self._levels_denser}
+        if self.world_size > 1:
+            self.context.agree(self.ae_digest(), "lgc: the refitted levels differ between ranks after the broadcast")
+        for key, error in zip(keys, errors.tolist()):  # once a refit, not per step
+            if math.isnan(error):
+                continue
+            if error <= self.options.max_recon_error:
+                self._ae_layers[key] = error
+            else:
+                self._ae_layers.pop(key, None)
+        self._refits += 1
 
     def train_autoencoder(self) -> None:
         """Fit the AE on the collected samples (rank 0), broadcast it, check it is identical.
@@ -781,6 +877,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
                 ae_layers_eligible=float(eligible),
                 ae_values=self._values_used[0] / max(self._values_used[1], 1),
                 ae_params=self.ae_cost()["ae_params"],
+                ae_refits=float(self._refits),
             )
         return out
 
@@ -812,6 +909,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
             "levels_denser": {k: v.detach().cpu().clone() for k, v in self._levels_denser.items()},
             "samples": samples,
             "values_run": {name: list(t) for name, t in self._values_run.items()},
+            "refits": self._refits,
             **self.level_state(),
         }
 
@@ -841,6 +939,9 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         self._levels = {str(k): _by_role(v).to(device) for k, v in state.get("levels", {}).items()}
         # before the denser support had levels of its own it used the configured support's
         self._levels_denser = {str(k): _by_role(v).to(device) for k, v in state.get("levels_denser", {}).items()}
+        # rank 0's messages since the last refit are not checkpointed: the next refit after a resume
+        # fits on the steps since the resume
+        self._refits = int(state.get("refits", 0))
         for name, tally in state.get("values_run", {}).items():  # absent before it was counted
             self._values_run[str(name)] = [int(v) for v in tally]
         with self._samples_lock:
