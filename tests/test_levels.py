@@ -146,7 +146,13 @@ def test_checkpoint_whose_autoencoder_carried_layers_names_the_code_to_resume_wi
 
 
 @pytest.mark.parametrize(
-    "opts, match", [(dict(code="pca"), "code must be one of"), (dict(code_bits=0), "code_bits must be an integer")]
+    "opts, match",
+    [
+        (dict(code="pca"), "code must be one of"),
+        (dict(code_bits=0), "code_bits must be an integer"),
+        (dict(refit_every=-1), "refit_every"),
+        (dict(code_denser="no"), "code_denser must be True or False"),
+    ],
 )
 def test_invalid_code_options_name_the_option(opts, match):
     with pytest.raises(ValueError, match=match):
@@ -161,7 +167,12 @@ def _mlp() -> nn.Module:
 
 
 def _train_levels(
-    rank: int, world: int, light_collect: bool = False, refit_every: int = 0, stage3: int = STAGE3
+    rank: int,
+    world: int,
+    light_collect: bool = False,
+    refit_every: int = 0,
+    stage3: int = STAGE3,
+    code_denser: bool = True,
 ) -> dict:
     """``light_collect``: stage 2 runs at compression level 0 (the controller's light level: a
     support 2.5 times denser here), stage 3 at level 1, and its last step at level 0 again."""
@@ -174,7 +185,7 @@ def _train_levels(
     model = _mlp()
     ddp = DDP(model)
     opts = dict(warmup_steps=WARMUP, ae_train_steps=COLLECT, ratio=RATIO, min_numel=1000, dense_layers="none")
-    opts["refit_every"] = refit_every
+    opts.update(refit_every=refit_every, code_denser=code_denser)
     state, hook = make_comm_hook("lgc", ddp, stats_every=1, **opts)
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
@@ -396,3 +407,18 @@ def test_levels_fitted_again_in_stage_3_stay_identical_on_two_ranks():
             assert row["identical"]
         for row in r["rows"][WARMUP + COLLECT :]:
             assert row["err_sq"] == pytest.approx(row["residual_sq"], rel=1e-6)
+
+
+def test_code_denser_false_sends_the_light_steps_exactly():
+    """With code_denser=False the learned code carries the configured support only: the
+    controller's light step (the last) sends its denser support's values exactly, on both ranks."""
+    res = run_gloo(_train_levels, world_size=2, args=(True, 0, STAGE3, False), timeout=300)
+    support = sum(math.ceil(RATIO * p.numel()) for p in _mlp().parameters() if p.numel() >= 1000)
+    denser = sum(math.ceil(0.25 * p.numel()) for p in _mlp().parameters() if p.numel() >= 1000)
+    for r in res:
+        rows = r["rows"]
+        assert [row["used"] for row in rows[WARMUP + COLLECT :]] == [(3, 3), (3, 3), (0, 0)]
+        for row in rows:
+            assert row["identical"]
+            assert row["err_sq"] == pytest.approx(row["residual_sq"], rel=1e-6)
+        assert r["values_run"] == {"configured": (2 * support, 2 * support), "denser": (0, denser)}

@@ -142,6 +142,7 @@ class LGCOptions(CodecOptions):
     ae_time_budget_s: float = 30.0
     ae_samples: int = 64
     refit_every: int = 100
+    code_denser: bool = True
     selection: str = "sampled"
     max_recon_error: float = 0.3
     ae_error_feedback: bool = True
@@ -177,6 +178,8 @@ class LGCOptions(CodecOptions):
         self._set("ae_time_budget_s", float(budget))
         check_positive_int("ae_samples", self.ae_samples)
         check_positive_int("refit_every", self.refit_every, allow_zero=True)
+        if not isinstance(self.code_denser, bool):
+            raise ValueError(f"code_denser must be True or False, got {self.code_denser!r}")
         check_choice("selection", self.selection, SELECTIONS)
         max_recon_error = self.max_recon_error
         if not (isinstance(max_recon_error, (int, float)) and max_recon_error > 0):
@@ -234,6 +237,9 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
             a one-epoch ResNet-18 run) the code carried all 19 layers at step 160 and 15 of them,
             46 % of the values, at step 600, as the gradients' distribution drifted
             (docs/codecs/lgc.md, "The levels follow the run").
+        code_denser: whether the learned code also carries a support denser than ``ratio`` (the
+            level controller's light steps, in the critical phases of training); False sends
+            those steps' values exactly, so that the code compresses only at the configured level.
         selection: how the leader finds the top-k: ``"sampled"`` (threshold from a random sample,
             then exact top-k among the candidates, as DGC; ~3x cheaper) or ``"exact"``.
         max_recon_error: a layer uses the AE in stage 3 only if the held-out relative error of its
@@ -440,7 +446,10 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         sizes = [self.k_for(n, step) for n in numels]
         encodings = [choose_encoding("auto", k, n) for k, n in zip(sizes, numels)]
         code_bytes = [encoded_nbytes(e, k, n) for e, k, n in zip(encodings, sizes, numels)]
-        use_ae = [stage == 3 and k >= MIN_AE_LEN and key in self._ae_layers for (key, _, _), k in zip(layers, sizes)]
+        use_ae = [
+            stage == 3 and k >= MIN_AE_LEN and key in self._ae_layers and self._codes_support(k, n)
+            for (key, _, _), k, n in zip(layers, sizes, numels)
+        ]
         ae, ps = self.uses_autoencoder, self.uses_autoencoder and self.options.variant == "ps"
         lat = [
             self.ae.latent_channels * GradientAutoencoder.latent_len(k) if a and ps else 0
@@ -817,6 +826,12 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         else:
             table = self._levels[key]
         return table if role is None else table[role]
+
+    def _codes_support(self, k: int, numel: int) -> bool:
+        """Whether the learned code may carry a support of ``k`` of ``numel`` values: always at the
+        configured size; a denser one (the level controller's light steps) only with
+        ``code_denser``, else it travels exactly."""
+        return self.options.code_denser or k <= keep_count(self.options.ratio, numel)
 
     def _role(self, step: int) -> int:
         """This rank's row of the levels at ``step``: the leader's, or the others'."""
