@@ -112,7 +112,9 @@ def test_lgc_reports_its_stage_and_its_learned_code_only_once_trained():
         "ae_train_s": 0.1,
         "ae_layers": 1.0,
         "ae_layers_eligible": 2.0,
+        "ae_values": 0.0,  # no support value counted yet
         "ae_params": codec.ae_cost()["ae_params"],
+        "ae_refits": 0.0,
     }
     codec._ae_state["loss"] = float("nan")  # trained on nothing: no learned code to report
     assert codec.scalars(6, True) == {"lgc_stage": 3.0}

@@ -143,6 +143,8 @@ _OPTION_CHANGES = {
     ("lgc", "code_bits"): ("<absent>", 2),
     ("lgc", "density_warmup"): ("<absent>", 0),  # DGC's warm-up of sparsity after stage 1, off by default
     ("lgc", "density_warmup_start"): ("<absent>", 0.25),
+    ("lgc", "refit_every"): ("<absent>", 100),  # the levels fitted again in stage 3
+    ("lgc", "code_denser"): ("<absent>", True),  # the code also carries the controller's denser support
     ("iwp", "last_encodings"): ([], "<absent>"),  # introspection of the last bucket, now plain attributes
     ("iwp", "last_index_bytes"): (0, "<absent>"),
     ("iwp", "last_root"): (-1, "<absent>"),
