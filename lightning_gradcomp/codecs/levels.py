@@ -2,11 +2,13 @@
 
 A value ``v`` of a message whose RMS is ``r`` travels as one sign bit and ``bits - 1`` bits that
 pick one of ``2^(bits-1)`` magnitude levels ``c_j``; it decodes to ``sign(v) * r * c_j`` with
-``c_j`` the level nearest to ``|v| / r``. The levels are fitted once, at ``lgc``'s switch, by
+``c_j`` the level nearest to ``|v| / r``. The levels are fitted at ``lgc``'s switch, by
 Lloyd-Max (one-dimensional k-means, which minimises the mean squared error of the decoded values)
 on the stage-2 values of every rank, so they follow the distribution that the top-k values of this
 model actually have: on ResNet-18/CIFAR-10 and PSPNet/CamVid that distribution is far from
 uniform, and fitted levels halve the error of evenly spaced ones at 2 bits (docs/codecs/lgc.md).
+In stage 3 they are fitted again on one rank's own messages (:func:`refit_rows`), so that they
+follow the distribution as training moves on.
 
 Each layer has two sets of levels, one per *role*: the leader's message holds its own largest
 values (all of them above a threshold), another rank's holds its values at the leader's positions

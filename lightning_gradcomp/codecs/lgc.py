@@ -13,8 +13,9 @@ in three stages, switched on the same global optimizer step on every rank:
    feedback. Every step a leader (rank ``step % N``) picks each layer's top-k positions ``S``
    (``k = ceil(ratio * numel)``) and broadcasts them; every rank sends its values ``v_i = x_i[S]``
    (all-gather), so each rank sums ``sum_i v_i`` and also sees every ``v_i``: the code's training data.
-3. Afterwards: a learned code, fitted once at the switch on rank 0 from stage 2's values and
-   broadcast (identical on every rank, checked by a hash), is frozen and compresses ``v_i``.
+3. Afterwards: a learned code, fitted at the switch on rank 0 from stage 2's values and
+   broadcast (identical on every rank, checked by a hash), compresses ``v_i``. The levels are
+   fitted again every ``refit_every`` steps on rank 0's own messages; the autoencoder stays frozen.
 
 The learned code (``code``):
 
