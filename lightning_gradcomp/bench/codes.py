@@ -287,14 +287,14 @@ def _learned_levels(bits: int, train: list[dict[str, Tensor]]) -> Code:
 def _learned_levels_by_role(bits: int, train: list[dict[str, Tensor]], leaders: list[int]) -> Code:
     """``lgc``'s code: as :func:`_learned_levels`, with one set of levels for the leader's message
     (its own top-k values, all large) and one for the other ranks' (their values at the leader's
-    positions, small ones among them), fitted by the codec's own ``levels.fit_layers``: every rank
+    positions, small ones among them), fitted by the codec's own ``levels.fit_roles``: every rank
     knows which it sends, so no byte more travels."""
     from lightning_gradcomp.codecs import levels as lv
 
     keys = list(train[0])
     samples = [(key, step, lead, 0, v) for step, (s, lead) in enumerate(zip(train, leaders)) for key, v in s.items()]
     fitted = torch.ones(len(keys), 2, 2 ** (bits - 1))
-    lv.fit_layers(samples, samples[:1], keys, fitted)
+    lv.fit_roles(samples, keys, fitted)
     table = dict(zip(keys, fitted))
 
     def code(v: Tensor, leader: int, key: str) -> tuple[Tensor, Tensor | None, float]:

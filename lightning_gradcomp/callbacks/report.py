@@ -169,10 +169,11 @@ class CompressionReport(Callback):
             "batch_size": hparams.get("batch_size"),
         }
         adaptive = _adaptive(trainer)
-        report_lines = getattr(state.codec if state is not None else None, "report_lines", None)
+        hook_codec = state.codec if state is not None else None
+        report_lines = getattr(hook_codec, "report_lines", None)
         if report_lines is not None:  # what a codec that chooses (auto) chose
             result["codec_report"] = list(report_lines())
-        values_run = getattr(state.codec if state is not None else None, "values_run", None)
+        values_run = getattr(hook_codec, "values_run", None)
         if values_run is not None:  # lgc: support values its learned code carried, of those sent, by support size
             result["learned_code_values"] = {name: list(tally) for name, tally in values_run.items()}
         if adaptive is not None:

@@ -37,12 +37,14 @@ __all__ = [
     "encode",
     "fit_layers",
     "fit_levels",
+    "fit_roles",
     "message_nbytes",
     "nearest",
     "quantize",
     "refit_rows",
     "relative_magnitudes",
     "role",
+    "split_held_out",
 ]
 
 #: the rows of a layer's levels: the leader's message, and every other rank's
@@ -135,6 +137,17 @@ def fit_layers(
     the other ranks' (the leader's where there were none, on one rank). Return the relative error of
     the decoded aggregate on ``train`` and, per layer, its squared error and squared norm on
     ``val``, in units of the leader's RMS (as for the autoencoder, so the gate reads both alike)."""
+    fit_roles(train, keys, fitted, seed)
+    by_key = {k: fitted[i] for i, k in enumerate(keys)}
+    train_errors = aggregate_errors(train, by_key).values()
+    error = (sum(e for e, _ in train_errors) / max(sum(r for _, r in train_errors), 1e-30)) ** 0.5
+    return error, aggregate_errors(val, by_key)
+
+
+def fit_roles(train: list, keys: list[str], fitted: Tensor, seed: int = 0) -> None:
+    """The fit of :func:`fit_layers` alone, without its errors: each layer's row :data:`LEADER` on
+    the leaders' messages of ``train`` and row :data:`OTHERS` on the other ranks', into
+    ``fitted`` (``(len(keys), 2, count)``); a layer without samples keeps its rows."""
     count = fitted.shape[-1]
     for i, key in enumerate(keys):
         samples = [(smp[2], smp[4].float().cpu()) for smp in train if smp[0] == key]
@@ -145,11 +158,6 @@ def fit_layers(
         lead_row = fitted[i, LEADER] = fit_levels(lead, count, seed=seed + i).to(fitted.device)
         # on one rank there is no other message, and the leader's levels stand in
         fitted[i, OTHERS] = fit_levels(others, count, seed=seed + i).to(fitted.device) if others.numel() else lead_row
-
-    by_key = {k: fitted[i] for i, k in enumerate(keys)}
-    train_errors = aggregate_errors(train, by_key).values()
-    error = (sum(e for e, _ in train_errors) / max(sum(r for _, r in train_errors), 1e-30)) ** 0.5
-    return error, aggregate_errors(val, by_key)
 
 
 def aggregate_errors(samples: list, tables: dict[str, Tensor]) -> dict[str, tuple[float, float]]:
@@ -180,19 +188,28 @@ def refit_rows(samples: list, rows: Tensor, count: int, seed: int = 0) -> float 
     A role's row is fitted again only from at least two steps of that role; otherwise it stays.
     The error is that of the kept magnitudes, which in units of each message's RMS is the error of
     its values (a value decodes to ``sign(v) r c_j``)."""
-    steps = sorted({smp[1] for smp in samples})
-    if not steps:
+    if not samples:
         return None
-    n_val = len(steps) // 8
-    held = set(steps[len(steps) - n_val :]) if n_val else set()
+    train, val = split_held_out(samples)
     for r in (LEADER, OTHERS):
-        train = [smp for smp in samples if smp[2] == r and smp[1] not in held]
-        if len({smp[1] for smp in train}) >= 2:
-            magnitudes = torch.cat([smp[4].cpu() for smp in train])
+        mine = [smp for smp in train if smp[2] == r]
+        if len({smp[1] for smp in mine}) >= 2:
+            magnitudes = torch.cat([smp[4].cpu() for smp in mine])
             rows[r] = fit_levels(magnitudes, count, seed=seed).to(rows.device)
     err = ref = 0.0
-    for _, _, r, _, m in [smp for smp in samples if smp[1] in held] or samples:
+    for _, _, r, _, m in val:
         table = rows[r].to(m.device)
         err += float((m - table[nearest(m, table)]).pow(2).sum())
         ref += float(m.pow(2).sum())
     return (err / ref) ** 0.5 if ref > 0 else None
+
+
+def split_held_out(samples: list) -> tuple[list, list]:
+    """Training and held-out samples of ``samples`` (tuples whose second entry is the step): the
+    most recent eighth of the steps is held out; with fewer than eight steps both are all of them."""
+    steps = sorted({smp[1] for smp in samples})
+    n_val = len(steps) // 8
+    held = set(steps[len(steps) - n_val :]) if n_val else set()
+    train = [smp for smp in samples if smp[1] not in held] or samples
+    val = [smp for smp in samples if smp[1] in held] or samples
+    return train, val

@@ -789,12 +789,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         if samples is None:
             with self._samples_lock:
                 samples = list(self._samples)
-        steps = sorted({s[1] for s in samples})
-        n_val = len(steps) // 8
-        val_steps = set(steps[len(steps) - n_val :]) if n_val else set()
-        train = [s for s in samples if s[1] not in val_steps] or samples
-        val = [s for s in samples if s[1] in val_steps] or samples
-        return train, val
+        return levels.split_held_out(samples)
 
     def _samples_by_support(self) -> tuple[list, list]:
         """The samples as the configured support (``ratio``) would have given them, and the samples
