@@ -108,6 +108,7 @@ def test_the_strategy_turns_the_level_controller_on_for_auto_only():
 # --------------------------------------------------------------------------------------------------
 # two processes: the plan is the same on every rank, and follows the link when it changes
 SLOW_BPS = 10e6 / 8  # the simulated link: 10 Mbit/s
+MAX_AUTO_STEPS = 40  # the loopback plan, then the slow link's, are kept well within this
 
 
 def _slow_blocking_collectives() -> None:
@@ -143,15 +144,22 @@ def _train_auto(rank: int, world: int) -> dict:
     gen = torch.Generator().manual_seed(100 + rank)
     codec = state.codec
     plans, ratios = [], []
-    for step in range(16):
-        if step == 9:
-            _slow_blocking_collectives()
+    slowed_at = None  # the step after which the link turned slow
+    # driven by the codec's own state, identical on every rank (its plans are digest-checked): how
+    # many steps the loopback trials take depends on timings, so a fixed step for the slowdown
+    # could come before the first plan was kept, or leave too few steps for the new one
+    for step in range(MAX_AUTO_STEPS):
         x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
         plans.append(dict(codec.plan))
         ratios.append(state.stats.pop().compression_ratio)
+        if slowed_at is None and codec.planned:
+            slowed_at, replans_at_slow = step, codec.replans
+            _slow_blocking_collectives()
+        elif slowed_at is not None and codec.replans > replans_at_slow and codec.planned:
+            break
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     # a resumed run: a new model, wrapper and hook loaded from what a checkpoint keeps
     saved, saved_rank = state.state_dict(), state.rank_state_dict()
@@ -177,6 +185,7 @@ def _train_auto(rank: int, world: int) -> dict:
         "continued_ratio": ratios_after["continued"][-1],
         "plans": plans,
         "ratios": ratios,
+        "slowed_at": slowed_at,
         "links": codec.link,
         "replans": codec.replans,
         "weights": weights,
@@ -188,15 +197,18 @@ def test_every_rank_takes_the_same_plan_and_a_slower_link_changes_it():
     r0, r1 = run_gloo(_train_auto, 2)
     assert r0["plans"] == r1["plans"]
     assert torch.equal(r0["weights"], r1["weights"])  # every rank applied the same averaged gradient
-    before, after = r0["plans"][8], r0["plans"][-1]
-    assert before, "no plan after the arms were timed"
-    assert after != before, f"the plan did not follow the slower link: {before}"
-    assert r0["replans"] >= 1
-    # the slow link's plan sends fewer bytes than the loopback one
-    wire = r0["wire"]
-    assert sum(wire[k][a] for k, a in after.items()) < sum(wire[k][a] for k, a in before.items())
+    slowed_at = r0["slowed_at"]
+    assert slowed_at is not None, "no plan was kept on the loopback link"
+    assert len(r0["plans"]) < MAX_AUTO_STEPS, "no new plan after the link turned slow"
+    before, after = r0["plans"][slowed_at], r0["plans"][-1]
     assert 8 * r0["links"].bytes_per_s < 20e6  # the probe saw the 10 Mbit/s link
-    assert r0["ratios"][-1] > r0["ratios"][8]
+    # on 10 Mbit/s bytes cost far more than any arm's compute: the plans the model ranks first, of
+    # which the timed trials keep one, all send a small part of plain all-reduce's bytes
+    wire = r0["wire"]
+    assert sum(wire[k][a] for k, a in after.items()) < 0.25 * sum(arms[0] for arms in wire.values()), (after, wire)
+    if after != before:  # on loopback the arms' step times are close: which of them wins is timing
+        assert sum(wire[k][a] for k, a in after.items()) < sum(wire[k][a] for k, a in before.items())
+        assert r0["ratios"][-1] > r0["ratios"][slowed_at]
     # resumed from the checkpointed state, the plan and the bytes it sends are the same
     for r in (r0, r1):
         assert r["resumed_planned"] and r["resumed_plan"] == r["plans"][-1]
