@@ -31,9 +31,6 @@ __all__ = ["CompressedDDPStrategy", "resolve_codec"]
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "gradcomp"
-#: ``spread_steps`` that the strategy gives a sparse codec with error feedback beside an Adam-like
-#: optimizer when the option is left at None (lightning_gradcomp.spread)
-SPREAD_STEPS_ADAPTIVE = 64
 _CHECKPOINT_VERSION = 1
 
 
@@ -158,27 +155,7 @@ class CompressedDDPStrategy(DDPStrategy):
             if not any(isinstance(cb, type(callback)) for cb in trainer.callbacks):
                 trainer.callbacks.append(callback)
         self._check_optimizer_momentum()
-        self._spread_for_adaptive_optimizer()
         self._warn_sparse_codec_with_adaptive_optimizer(trainer)
-
-    def _uses_adaptive_optimizer(self) -> list[str]:
-        return sorted({type(opt).__name__ for opt in self.optimizers for g in opt.param_groups if _is_adaptive(g)})
-
-    def _spread_for_adaptive_optimizer(self) -> None:
-        """``spread_steps=None``: spread a sparse codec's arrivals when an optimizer scales each
-        coordinate's step by its own gradient history, where arrivals every ``k`` steps move a
-        coordinate ``sqrt(k)`` times less (lightning_gradcomp.spread). The optimizers are the same
-        on every rank, so is the decision; a resumed run keeps the state its checkpoint held."""
-        codec, state = self.codec, self.hook_state
-        if state is None or codec.harness.spread_steps is not None:
-            return
-        if codec.sparse_local and codec.harness.error_feedback and self._uses_adaptive_optimizer():
-            state.use_spread(SPREAD_STEPS_ADAPTIVE)
-            log.info(
-                f"{type(self).__name__}: {codec.name!r} sends sparse parts beside "
-                f"{', '.join(self._uses_adaptive_optimizer())}: arrivals are spread over up to "
-                f"{state.spread.max_steps} steps (spread_steps)"
-            )
 
     def _warn_sparse_codec_with_adaptive_optimizer(self, trainer: pl.Trainer) -> None:
         """Warn once when a sparsifying codec with error feedback meets Adam-like optimizers.
@@ -195,7 +172,7 @@ class CompressedDDPStrategy(DDPStrategy):
         codec = self.codec
         if not (codec.sparse_local and codec.harness.error_feedback):
             return
-        adaptive = self._uses_adaptive_optimizer()
+        adaptive = sorted({type(opt).__name__ for opt in self.optimizers for g in opt.param_groups if _is_adaptive(g)})
         if adaptive:
             from lightning_gradcomp.callbacks.adaptive import AdaptiveCompression
 
@@ -323,11 +300,6 @@ class CompressedDDPStrategy(DDPStrategy):
             if self.nonfinite == "skip":
                 rank_zero_warn(f"non-finite gradient at step {state.step - 1}: optimizer step skipped on all ranks")
                 return result[0]
-        if state.spread is not None:
-            # after the backward, before the precision plugin clips what the optimizer will see
-            names = state.param_names
-            params = self.lightning_module.parameters()
-            state.spread_gradients((names[id(p)], p.grad) for p in params if p.grad is not None and id(p) in names)
         return super().optimizer_step(optimizer, closure_once, model, **kwargs)
 
     # ----------------------------------------------------------------------------------------------

@@ -88,15 +88,6 @@ class HarnessOptions(CodecOptions):
             rates from the optimizers before each backward; with ``make_comm_hook`` call
             ``state.rescale_residuals({name: lr})`` before each backward. Default False (``lgc``:
             True). A codec's default of True applies only when error feedback is on.
-        spread_steps: hand each coordinate's arrival to the optimizer in equal parts over as many
-            steps as passed since its previous arrival, at most this many
-            (:mod:`lightning_gradcomp.spread`): what a sparsifier with error feedback delivers
-            every ``k`` steps then reaches an Adam-like optimizer as ``k`` ordinary steps would,
-            instead of moving the coordinate ``sqrt(k)`` times less. ``0``: off. ``None``
-            (default): ``CompressedDDPStrategy`` turns it on (``SPREAD_STEPS_ADAPTIVE``) for a
-            codec that sends a sparse part with error feedback beside an optimizer with
-            per-coordinate step sizes (Adam and its kin), off otherwise; ``make_comm_hook``: off
-            (call ``state.spread_gradients(...)`` after the backward when it is on).
     """
 
     error_feedback: bool = False
@@ -108,7 +99,6 @@ class HarnessOptions(CodecOptions):
     weight_decay: float = 0.0
     momentum_masking: bool = True
     lr_scaled_feedback: bool = False
-    spread_steps: int | None = None
 
     def check(self) -> None:
         self._set("error_feedback", bool(self.error_feedback))
@@ -124,8 +114,6 @@ class HarnessOptions(CodecOptions):
         if self.lr_scaled_feedback and not self.error_feedback:
             raise ValueError("lr_scaled_feedback rescales the error-feedback residual: it needs error_feedback=True")
         self._set("lr_scaled_feedback", bool(self.lr_scaled_feedback))
-        if self.spread_steps is not None:
-            self._set("spread_steps", check_positive_int("spread_steps", self.spread_steps, allow_zero=True))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 import copy
 import threading
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,6 @@ from lightning_gradcomp.hook import allgather, allreduce, custom, dense
 from lightning_gradcomp.hook.consistency import check_codec_consistency, group_device, make_context
 from lightning_gradcomp.hook.encode import encode_layers
 from lightning_gradcomp.memory import ResidualMemory
-from lightning_gradcomp.spread import ArrivalSpread
 from lightning_gradcomp.stats import StatsAccumulator
 
 __all__ = ["CodecHookState", "codec_hook", "NONFINITE_POLICIES"]
@@ -52,7 +51,6 @@ class CodecHookState:
         "memory",
         "momentum_buffers",
         "residual_lr",
-        "spread",
         "stats",
         "nonfinite_steps",
         "skip_requested",
@@ -88,11 +86,6 @@ class CodecHookState:
         self.memory = ResidualMemory()
         self.momentum_buffers = ResidualMemory()  # per-rank momentum of momentum correction
         self.residual_lr: dict[str, float] = {}  # lr_scaled_feedback: the rate each residual is scaled to
-        # spread_steps: arrivals handed to the optimizer in parts; None until it is asked for (the
-        # strategy decides a default of None once it knows the optimizers, see use_spread)
-        self.spread: ArrivalSpread | None = None
-        if codec.harness.spread_steps:
-            self.spread = ArrivalSpread(codec.harness.spread_steps)
         self.stats = StatsAccumulator()
         self.nonfinite_steps = 0
         self.skip_requested = False
@@ -140,7 +133,6 @@ class CodecHookState:
         self.memory = previous.memory
         self.momentum_buffers = previous.momentum_buffers
         self.residual_lr = previous.residual_lr
-        self.spread = previous.spread
         self.nonfinite_steps = previous.nonfinite_steps
         self.stats.totals = previous.stats.totals
 
@@ -210,7 +202,6 @@ class CodecHookState:
             # step ran (it runs at the start of the next step): a resumed run must still run it
             "step_end_pending": self._step_end_pending,
             "residual_lr": dict(self.residual_lr),
-            "spread": None if self.spread is None else self.spread.state_dict(),
             # schedules given as a fraction of the run keep the step boundaries of the run that
             # started them: a resume with a longer budget must not move lgc back into its warm-up
             "run_total_steps": codec.run_total_steps,
@@ -223,7 +214,6 @@ class CodecHookState:
         self.fallback.load_state_dict(state.get("fallback", {}))
         self._step_end_pending = bool(state.get("step_end_pending", False))
         self.residual_lr = {str(k): float(v) for k, v in state.get("residual_lr", {}).items()}
-        self._load_spread(state.get("spread"))
         if state.get("run_total_steps") is not None:
             self.codec.fit_to_run(int(state["run_total_steps"]))
 
@@ -257,51 +247,12 @@ class CodecHookState:
             "codec": copy.deepcopy(codec.state_dict()) if isinstance(codec, LearnedState) else {},
             "rank": self.rank_state_dict(stats=False),
             "residual_lr": dict(self.residual_lr),
-            "spread": None if self.spread is None else self.spread.state_dict(),
         }
 
     def restore(self, snapshot: dict[str, Any], device: torch.device) -> None:
         _load_codec_state(self.codec, copy.deepcopy(snapshot["codec"]))
         self.load_rank_state_dict({k: v.clone() for k, v in snapshot["rank"].items()}, device)
         self.residual_lr = dict(snapshot["residual_lr"])
-        self._load_spread(snapshot.get("spread"), device)
-
-    # ----------------------------------------------------------------------------------------------
-    # spreading arrivals (spread_steps)
-    def use_spread(self, max_steps: int) -> None:
-        """Spread arrivals over at most ``max_steps`` steps from now on (the strategy's default for
-        a ``spread_steps`` of None); a state restored from a checkpoint is kept."""
-        if self.spread is None and max_steps > 0:
-            self.spread = ArrivalSpread(max_steps)
-
-    def spread_gradients(self, named_grads: Iterable[tuple[str, Tensor]]) -> None:
-        """Replace each averaged gradient, in place, by the part of its arrivals due at this step
-        (:mod:`lightning_gradcomp.spread`). Call it once per optimizer step, after the backward
-        and before the optimizer (and its gradient clipping), on every rank alike; nothing
-        happens when spreading is off."""
-        if self.spread is None:
-            return
-        step = self.step - 1  # the optimizer step that just communicated
-        if self.spread.applied_step == step:  # a second optimizer of the same step
-            return
-        self.spread.applied_step = step
-        for key, grad in named_grads:
-            self.spread.apply(key, grad, step)
-
-    def _load_spread(self, state: dict[str, Any] | None, device: torch.device | None = None) -> None:
-        if state is None:  # written with spreading off, or before it existed
-            if self.spread is not None:
-                self.spread = ArrivalSpread(self.spread.max_steps)
-            return
-        if self.codec.harness.spread_steps == 0:
-            raise ValueError(
-                f"the checkpoint spreads arrivals over up to {state['max_steps']} steps and holds parts still owed "
-                "to the optimizer; this run has spread_steps=0. Resume with spread_steps=None or "
-                f"{state['max_steps']}."
-            )
-        if self.spread is None:
-            self.spread = ArrivalSpread(int(state["max_steps"]))
-        self.spread.load_state_dict(state, device)
 
     # ----------------------------------------------------------------------------------------------
     # what the paths call back
