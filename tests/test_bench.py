@@ -1274,6 +1274,26 @@ def test_codes_scores_exact_lossy_and_leader_codes_on_known_values():
     assert codes.inter_rank_cosine(same) == pytest.approx(1.0)
 
 
+def test_position_bits_see_a_support_crowded_into_one_channel_and_one_that_stays():
+    """bench codes' position accounting: Elias-Fano (what lgc sends) is above the uniform bound; a
+    support inside one output channel costs far less coded per channel; a support that repeats
+    costs almost nothing against the previous step's."""
+    from lightning_gradcomp.bench import codes
+
+    shapes = {"w": (64, 32, 3, 3)}  # 18,432 values, 288 per output channel
+    n, k = 18_432, 184
+    g = torch.Generator().manual_seed(0)
+    spread = [{"w": torch.randperm(n, generator=g)[:k].sort().values} for _ in range(4)]
+    crowded = [{"w": (5 * 288 + torch.randperm(288, generator=g)[:k]).sort().values} for _ in range(4)]
+    same = [{"w": spread[0]["w"]} for _ in range(4)]
+    a, b, c = (codes.position_bits(x, shapes) for x in (spread, crowded, same))
+    assert a["elias_fano"] > a["uniform"] > 0
+    assert a["uniform"] == pytest.approx(codes._log2_binomial(n, k) / k)
+    assert a["per_channel"] > a["uniform"]  # nothing to gain from counts when the support is spread
+    assert b["per_channel"] < 0.6 * b["uniform"]  # the channel counts are most of it here
+    assert c["vs_previous"] < 0.3 * c["uniform"] and a["vs_previous"] > 0.9 * a["uniform"]
+
+
 def test_shaped_starts_each_rank_like_a_node_and_refuses_bad_arguments(capsys):
     from lightning_gradcomp.bench import shaped
 

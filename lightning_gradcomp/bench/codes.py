@@ -75,6 +75,9 @@ class Capture:
     steps: list[dict[str, Tensor]] = field(default_factory=list)  # per step: layer -> (N, K) values
     leaders: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    # per step: layer -> the support's sorted positions (the configured one), for position_bits
+    supports: list[dict[str, Tensor]] = field(default_factory=list)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def _cifar_task(data: str | None, batch: int, seed: int) -> tuple[nn.Module, Iterator, Callable, torch.optim.Optimizer]:
@@ -141,6 +144,7 @@ def capture(
     policy.plan_layers(named)
     compressed = [n for n, p in named if policy.should_compress(n, p) and keep_count(ratio, p.numel()) >= MIN_AE_LEN]
     cap = Capture({n: p.numel() for n, p in named if n in compressed})
+    cap.shapes = {n: tuple(p.shape) for n, p in named if n in compressed}
     residual = [{n: torch.zeros(cap.numels[n]) for n in compressed} for _ in range(ranks)]
     t0 = time.perf_counter()
     model.train()
@@ -152,6 +156,7 @@ def capture(
             loss_fn(model(x), y).backward()
             grads.append({n: p.grad.detach().flatten().clone() for n, p in named})
         kept: dict[str, Tensor] = {}
+        supports: dict[str, Tensor] = {}
         leader = step % ranks
         fraction = min(10 * ratio, 0.25) if warmup <= step < warmup + light else ratio
         for n, p in named:
@@ -168,15 +173,63 @@ def capture(
                 mean = torch.zeros(cap.numels[n])
                 mean[support] = values.mean(0)
                 if values.shape[1] > k:  # a light step: kept as lgc keeps it, cut to the configured support
-                    values = values[:, values[leader].abs().topk(k, sorted=False).indices.sort().values]
+                    cut = values[leader].abs().topk(k, sorted=False).indices.sort().values
+                    values, support = values[:, cut], support[cut]
                 kept[n] = values
+                supports[n] = support
             p.grad = mean.view_as(p)
         opt.step()
         if kept:
             cap.steps.append(kept)
             cap.leaders.append(leader)
+            cap.supports.append(supports)
     cap.seconds = time.perf_counter() - t0
     return cap
+
+
+# --------------------------------------------------------------------------------------------------
+# the positions: what the shared support's positions cost, as sent and at three lower bounds
+def _log2_binomial(n: int, k: int) -> float:
+    return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / math.log(2)
+
+
+def position_bits(supports: list[dict[str, Tensor]], shapes: dict[str, tuple[int, ...]]) -> dict[str, float]:
+    """Bits a position of the shared support, over ``supports`` (per step: layer -> sorted positions
+    in the flattened parameter of shape ``shapes[layer]``):
+
+    - ``elias_fano``: what ``lgc`` sends (:func:`~lightning_gradcomp.codecs.positions.encoded_nbytes`);
+    - ``uniform``: ``log2 C(n, k)``, the least any code needs if every ``k``-subset were as likely;
+    - ``per_channel``: each output channel's count (``log2(n_c + 1)`` bits each) and then its subset,
+      ``sum_c log2 C(n_c, k_c)``: what a code gains from the support's crowding into a few channels;
+    - ``vs_previous``: the previous step's support as side information: which of its positions
+      stay (a mask at its binary entropy) and the new ones among the rest.
+
+    The last three are enumerative bounds (an arithmetic code comes within a few bits of each)."""
+    from lightning_gradcomp.codecs.positions import encoded_nbytes
+
+    total = {"elias_fano": 0.0, "uniform": 0.0, "per_channel": 0.0, "vs_previous": 0.0}
+    count = 0
+    previous: dict[str, Tensor] = {}
+    for step in supports:
+        for key, pos in step.items():
+            shape = shapes[key]
+            n, k = math.prod(shape), pos.numel()
+            count += k
+            total["elias_fano"] += 8 * encoded_nbytes("delta", k, n)
+            total["uniform"] += _log2_binomial(n, k)
+            channels, per = shape[0], n // shape[0]
+            counts = torch.bincount(pos // per, minlength=channels).tolist()
+            total["per_channel"] += channels * math.log2(per + 1) + sum(_log2_binomial(per, c) for c in counts)
+            before = previous.get(key)
+            if before is None:
+                total["vs_previous"] += _log2_binomial(n, k)
+            else:
+                stay = int(torch.isin(pos, before).sum())
+                q = stay / before.numel()
+                mask = 0.0 if q in (0.0, 1.0) else -(q * math.log2(q) + (1 - q) * math.log2(1 - q))
+                total["vs_previous"] += before.numel() * mask + _log2_binomial(n - before.numel(), k - stay)
+            previous[key] = pos
+    return {name: bits / max(count, 1) for name, bits in total.items()}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -424,6 +477,8 @@ def main(args: argparse.Namespace) -> int:
     add("leader's values, scaled (fp32)", _per_layer(_leader_scaled(train, lead_train)))
     cosine = inter_rank_cosine(held)
     print(f"  cosine between two ranks' values on the support: {cosine:.3f}")
+    positions = position_bits(cap.supports, cap.shapes)
+    print("  bits a support position: " + ", ".join(f"{k} {v:.2f}" for k, v in positions.items()))
     columns = [
         Column("code", "code"),
         Column("bytes_per_value", "B/value", "{:.3f}"),
@@ -440,6 +495,7 @@ def main(args: argparse.Namespace) -> int:
             "command": "python -m lightning_gradcomp.bench " + " ".join(args.argv),
             "machine": machine_info(),
             "inter_rank_cosine": cosine,
+            "position_bits": positions,
             "layers": len(keys),
             "capture_s": cap.seconds,
             "rows": rows,
