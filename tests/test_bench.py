@@ -1291,6 +1291,7 @@ def test_position_bits_see_a_support_crowded_into_one_channel_and_one_that_stays
     assert a["uniform"] == pytest.approx(codes._log2_binomial(n, k) / k)
     assert a["per_channel"] > a["uniform"]  # nothing to gain from counts when the support is spread
     assert b["per_channel"] < 0.6 * b["uniform"]  # the channel counts are most of it here
+    assert b["per_channel"] <= b["per_channel_ef"] < b["elias_fano"]
     assert c["vs_previous"] < 0.3 * c["uniform"] and a["vs_previous"] > 0.9 * a["uniform"]
 
 
