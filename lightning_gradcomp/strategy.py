@@ -62,9 +62,10 @@ class CompressedDDPStrategy(DDPStrategy):
         adaptive_level: set the codec's compression level from the gradient's norm
             (:class:`~lightning_gradcomp.callbacks.AdaptiveCompression`, Accordion's rule): ``False``:
             off; ``True``: on with the callback's defaults; a dict: the callback's arguments
-            (``{"eta": 0.5, "interval": 50}``); ``None`` (default): on for ``codec="lgc"`` (measured
-            to train clearly better with it, docs/codecs/lgc.md) and ``codec="auto"`` (its accuracy
-            budget: no heavy arm in a critical regime), off for every other codec. The
+            (``{"eta": 0.5, "interval": 50}``); ``None`` (default): on for ``codec="lgc"`` and
+            ``codec="gradiveq"`` (measured to train clearly better with it, docs/benchmarks.md) and
+            ``codec="auto"`` (its accuracy budget: no heavy arm in a critical regime), off for every
+            other codec. The
             codec must be adjustable (``topk``, ``iwp``, ``qsgd``, ``powersgd``, ``gradiveq``,
             ``fft``, ``lgc``, ``auto``). An ``AdaptiveCompression`` among the trainer's callbacks is
             kept as given instead.
@@ -378,7 +379,7 @@ class CompressedDDPStrategy(DDPStrategy):
 
 def _adaptive_callback(adaptive_level: bool | dict[str, Any] | None, codec: Codec) -> Any:
     """The ``AdaptiveCompression`` that ``adaptive_level`` asks for (``None``: the codec's
-    ``adaptive_by_default``, on for ``lgc`` and ``auto``), built and checked against the codec now,
+    ``adaptive_by_default``, on for ``lgc``, ``gradiveq`` and ``auto``), built and checked against the codec now,
     before any process starts."""
     if adaptive_level is None:
         adaptive_level = codec.adaptive_by_default

@@ -97,12 +97,14 @@ def test_bad_options_are_refused_before_any_process_starts():
     assert make_codec("auto", candidates="none, fp16").options.candidates == ("none", "fp16")
 
 
-def test_the_strategy_turns_the_level_controller_on_for_auto_only():
+def test_the_strategy_turns_the_level_controller_on_for_the_codecs_measured_to_need_it():
     assert CompressedDDPStrategy(codec="auto")._adaptive_callback is not None
     assert CompressedDDPStrategy(codec="auto", adaptive_level=False)._adaptive_callback is None
     assert CompressedDDPStrategy(codec="topk")._adaptive_callback is None
     assert CompressedDDPStrategy(codec="lgc")._adaptive_callback is not None  # lgc trains better with it
     assert CompressedDDPStrategy(codec="lgc", adaptive_level=False)._adaptive_callback is None
+    assert CompressedDDPStrategy(codec="gradiveq")._adaptive_callback is not None  # so does gradiveq
+    assert CompressedDDPStrategy(codec="powersgd")._adaptive_callback is None  # not measured to need it
 
 
 # --------------------------------------------------------------------------------------------------
