@@ -417,6 +417,7 @@ def test_lightning_pca_warmup_schedule_logging_and_checkpoint(tmp_path):
             "min_numel": 1000,
             "dense_layers": "none",
         },
+        adaptive_level=False,  # the schedule alone: the level controller would change k (its default)
         start_method="spawn",
     )
     trainer = pl.Trainer(
