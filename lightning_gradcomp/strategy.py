@@ -65,9 +65,8 @@ class CompressedDDPStrategy(DDPStrategy):
             (``{"eta": 0.5, "interval": 50}``); ``None`` (default): on for ``codec="lgc"`` and
             ``codec="gradiveq"`` (measured to train clearly better with it, docs/benchmarks.md) and
             ``codec="auto"`` (its accuracy budget: no heavy arm in a critical regime), off for every
-            other codec. The
-            codec must be adjustable (``topk``, ``iwp``, ``qsgd``, ``powersgd``, ``gradiveq``,
-            ``fft``, ``lgc``, ``auto``). An ``AdaptiveCompression`` among the trainer's callbacks is
+            other codec. The codec must be adjustable (``topk``, ``iwp``, ``qsgd``, ``powersgd``,
+            ``gradiveq``, ``fft``, ``lgc``, ``auto``). An ``AdaptiveCompression`` among the trainer's callbacks is
             kept as given instead.
         **kwargs: everything else :class:`~lightning.pytorch.strategies.DDPStrategy` takes
             (``process_group_backend``, ``timeout``, ``start_method``, ...) and the options of

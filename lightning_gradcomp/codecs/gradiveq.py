@@ -294,8 +294,7 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
     harness_defaults = {"min_numel": 4096}
     # more components in the critical phases (AdaptiveCompression): on ResNet-18, one epoch, it
     # ended 1.3 points behind plain all-reduce instead of 3.7 (seeds 0 and 1: +2.3 and +2.5), at a
-    # whole-run ratio of 34.2 instead of 49.9
-    # (docs/benchmarks.md, "With the level controller")
+    # whole-run ratio of 34.2 instead of 49.9 (docs/benchmarks.md, "With the level controller")
     adaptive_by_default = True
 
     def __init__(self, **options: Any) -> None:
