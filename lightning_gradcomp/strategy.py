@@ -275,6 +275,11 @@ class CompressedDDPStrategy(DDPStrategy):
             for opt in self.optimizers:
                 rates.update(_learning_rates(opt, state.param_names))
             state.rescale_residuals(rates)
+        if state is not None and state.codec.harness.precondition:
+            moments: dict[str, torch.Tensor] = {}
+            for opt in self.optimizers:
+                moments.update(_second_moments(opt, state.param_names))
+            state.set_second_moments(moments)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -417,6 +422,20 @@ def _learning_rates(optimizer: Any, param_names: dict[int, str]) -> dict[str, fl
             if name is not None:
                 rates[name] = lr
     return rates
+
+
+def _second_moments(optimizer: Any, param_names: dict[int, str]) -> dict[str, torch.Tensor]:
+    """The per-coordinate second moment (``exp_avg_sq``: Adam and its kin) of every named
+    parameter the optimizer has stepped; parameters without one are left out."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)
+    moments: dict[str, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = param_names.get(id(p))
+            v = optimizer.state.get(p, {}).get("exp_avg_sq")
+            if name is not None and isinstance(v, torch.Tensor) and v.shape == p.shape:
+                moments[name] = v
+    return moments
 
 
 if "compressed_ddp" not in StrategyRegistry:

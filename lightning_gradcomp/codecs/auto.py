@@ -363,6 +363,8 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
             raise ValueError(
                 "auto chooses a codec per bucket and cannot carry momentum correction (momentum must be 0)"
             )
+        if harness.precondition:
+            raise ValueError("auto chooses a codec per bucket and cannot precondition (precondition must be False)")
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

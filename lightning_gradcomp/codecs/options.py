@@ -88,6 +88,20 @@ class HarnessOptions(CodecOptions):
             rates from the optimizers before each backward; with ``make_comm_hook`` call
             ``state.rescale_residuals({name: lr})`` before each backward. Default False (``lgc``:
             True). A codec's default of True applies only when error feedback is on.
+        precondition: compress the gradient in the optimizer's own coordinates. With an optimizer
+            that keeps a per-coordinate second moment ``v`` (``exp_avg_sq``: Adam, AdamW and their
+            kin), each compressed layer's input ``x`` (after error-feedback compensation) is
+            divided by ``d = max(sqrt(v), 0.01 * mean(sqrt(v)))`` before the codec sees it, and the
+            aggregate the codec decodes is multiplied by ``d`` again; the residual stays in units of
+            the gradient. Adam moves every coordinate by about the learning rate whatever its
+            gradient's scale, so a support chosen by ``|x| / d`` picks the coordinates that the
+            optimizer would move most, where one chosen by ``|x|`` keeps sending the layer's
+            large-gradient channels and leaves the others waiting. ``v`` comes from the all-reduced
+            gradients, so ``d`` is the same on every rank. Layers without a second moment (an SGD
+            optimizer, the steps before its first step) are compressed as they are. The strategy
+            reads ``v`` from the optimizers before each backward; with ``make_comm_hook`` call
+            ``state.set_second_moments({name: v})`` there. Default False. Codecs that run their own
+            exchange (``powersgd``, ``auto``) refuse it.
     """
 
     error_feedback: bool = False
@@ -99,6 +113,7 @@ class HarnessOptions(CodecOptions):
     weight_decay: float = 0.0
     momentum_masking: bool = True
     lr_scaled_feedback: bool = False
+    precondition: bool = False
 
     def check(self) -> None:
         self._set("error_feedback", bool(self.error_feedback))
@@ -114,6 +129,7 @@ class HarnessOptions(CodecOptions):
         if self.lr_scaled_feedback and not self.error_feedback:
             raise ValueError("lr_scaled_feedback rescales the error-feedback residual: it needs error_feedback=True")
         self._set("lr_scaled_feedback", bool(self.lr_scaled_feedback))
+        self._set("precondition", bool(self.precondition))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -110,6 +110,8 @@ class PowerSGDCodec(AdjustableLevel, MultiRound, Codec):
             raise ValueError(
                 "this codec keeps its own state per bucket and cannot take momentum correction (momentum must be 0)"
             )
+        if harness.precondition:
+            raise ValueError("powersgd runs torch's own exchange and cannot precondition (precondition must be False)")
 
     def setup(self, context: CodecContext) -> None:
         super().setup(context)

@@ -28,9 +28,9 @@ def send(state, buf: Tensor, enc: Encoded, flag: Tensor, step: int) -> torch.fut
         if bool(torch.stack([r[-1][0] for r in rows]).sum() > 0):
             return enc.settle(state, buf, keep=False)
         off = 0
-        for (_, g, x), e in zip(enc.inputs, enc.encoded):
+        for i, ((_, g, x), e) in enumerate(zip(enc.inputs, enc.encoded)):
             m = len(e.payload)
-            total = codec.aggregate([r[off : off + m] for r in rows], e.ctx, x.numel())
+            total = enc.unscale(i, codec.aggregate([r[off : off + m] for r in rows], e.ctx, x.numel()))
             g.copy_(total.div_(world).view_as(g))
             off += m
         if enc.dense_grads:

@@ -31,12 +31,12 @@ def send(state, buf: Tensor, enc: Encoded, flag: Tensor, step: int) -> torch.fut
         if bool((t[-1] > 0).logical_or(torch.isfinite(t).all().logical_not())):
             return enc.settle(state, buf, keep=False)
         off = 0
-        for (_, g, x), e in zip(enc.inputs, enc.encoded):
+        for i, ((_, g, x), e) in enumerate(zip(enc.inputs, enc.encoded)):
             summed = []
             for part in e.payload:
                 summed.append(t[off : off + part.numel()].view(part.shape).to(part.dtype))
                 off += part.numel()
-            g.copy_(codec.decode(summed, e.ctx, x.numel(), world).div_(world).view_as(g))
+            g.copy_(enc.unscale(i, codec.decode(summed, e.ctx, x.numel(), world)).div_(world).view_as(g))
         enc.write_dense(t[off : off + enc.dense.numel()].float())
         state.stats.add(decode_s=Span(enc.clock, t2, enc.clock.mark()))
         return enc.settle(state, buf, keep=True)

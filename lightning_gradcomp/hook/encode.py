@@ -24,6 +24,8 @@ class Encoded:
     t0: float
     all_keys: list[str]  # keys of every layer (their momentum is staged)
     inputs: list[tuple[str, Tensor, Tensor]] = field(default_factory=list)  # key, grad view, flat fp32 input
+    # ``precondition``: each input's divisor d (the codec saw x / d; its aggregate is scaled back)
+    scales: list[Tensor | None] = field(default_factory=list)
     encoded: list[EncodeResult] = field(default_factory=list)
     dense_grads: list[Tensor] = field(default_factory=list)  # views of the layers that travel in fp32
     dense: Tensor | None = None  # their concatenation, divided by the world size
@@ -39,6 +41,11 @@ class Encoded:
 
     def payload(self) -> list[Tensor]:
         return [t for enc in self.encoded for t in enc.payload]
+
+    def unscale(self, i: int, total: Tensor) -> Tensor:
+        """Input ``i``'s decoded aggregate in units of the gradient (``precondition``)."""
+        d = self.scales[i]
+        return total if d is None else total.mul_(d)
 
     def write_dense(self, total: Tensor) -> None:
         off = 0
@@ -98,7 +105,11 @@ def encode_layers(state, buf: Tensor, layers: list, step: int) -> Encoded:
         if codec.should_compress(k, p):
             if h.error_feedback:
                 x = memory.compensate(k, x)
+            d = state.preconditioner(k) if h.precondition else None
+            if d is not None:  # the codec works in the optimizer's coordinates
+                x = x / d
             out.inputs.append((k, g, x))
+            out.scales.append(d)
             params.append(p)
         else:
             if h.momentum:
@@ -112,7 +123,7 @@ def encode_layers(state, buf: Tensor, layers: list, step: int) -> Encoded:
         if not isinstance(prepared, Prepared):
             raise TypeError(f"codec {codec.name!r}: prepare_bucket must return a Prepared, not {prepared!r}")
         out.extra_bytes, per_layer = prepared.nbytes, prepared.per_layer
-    for (k, _, x), p in zip(out.inputs, params):
+    for (k, _, x), p, d in zip(out.inputs, params, out.scales):
         if per_layer is None:
             enc = codec.encode(x, k, p, step)
         else:
@@ -123,12 +134,14 @@ def encode_layers(state, buf: Tensor, layers: list, step: int) -> Encoded:
             if masking:  # the sent coordinates start their momentum afresh
                 state.momentum_buffers.mask_pending(k, local == 0)
             diff = x - local
+            if d is not None:  # the residual and the statistics in units of the gradient
+                diff = diff * d
             if h.error_feedback:
                 memory.stage(k, diff)
             if sample:
-                sent_diff = diff if enc.sent is None else x - enc.sent
+                sent_diff = diff if enc.sent is None else (x - enc.sent) * (1 if d is None else d)
                 out.err_sq = out.err_sq + sent_diff.double().pow(2).sum()
-                out.ref_sq = out.ref_sq + x.double().pow(2).sum()
+                out.ref_sq = out.ref_sq + (x if d is None else x * d).double().pow(2).sum()
     if out.dense_grads:
         out.dense = torch.cat([g.reshape(-1) for g in out.dense_grads]).to(torch.float32).div_(state.world_size)
     else:

@@ -51,6 +51,7 @@ class CodecHookState:
         "memory",
         "momentum_buffers",
         "residual_lr",
+        "second_moments",
         "stats",
         "nonfinite_steps",
         "skip_requested",
@@ -86,6 +87,7 @@ class CodecHookState:
         self.memory = ResidualMemory()
         self.momentum_buffers = ResidualMemory()  # per-rank momentum of momentum correction
         self.residual_lr: dict[str, float] = {}  # lr_scaled_feedback: the rate each residual is scaled to
+        self.second_moments: dict[str, Tensor] = {}  # precondition: the optimizer's exp_avg_sq by key
         self.stats = StatsAccumulator()
         self.nonfinite_steps = 0
         self.skip_requested = False
@@ -138,12 +140,14 @@ class CodecHookState:
 
     # the process group cannot be pickled (spawn, checkpoints): drop it, fall back to WORLD
     def __getstate__(self) -> dict[str, Any]:
-        return {s: getattr(self, s) for s in self.__slots__ if s not in ("process_group", "_lock")}
+        # the second moments are the optimizer's tensors, set again before each backward
+        return {s: getattr(self, s) for s in self.__slots__ if s not in ("process_group", "_lock", "second_moments")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
             setattr(self, k, v)
         self.process_group = None
+        self.second_moments = {}
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------------------------------------
@@ -175,6 +179,26 @@ class CodecHookState:
             if lr_then is not None and lr_then != lr_now:
                 self.memory.scale(key, lr_then / lr_now)
             self.residual_lr[key] = float(lr_now)
+
+    def set_second_moments(self, by_key: dict[str, Tensor]) -> None:
+        """The ``precondition`` harness option: the optimizer's per-coordinate second moment
+        (``exp_avg_sq``) of each named parameter, read before each backward. The tensors are kept
+        by reference (the optimizer updates them in place after the hook has run). A no-op when
+        the codec does not ask for it."""
+        if self.codec.harness.precondition:
+            self.second_moments = dict(by_key)
+
+    def preconditioner(self, key: str) -> Tensor | None:
+        """``d = max(sqrt(v), 0.01 * mean(sqrt(v)), 1e-8)`` of parameter ``key``, flat fp32, or
+        ``None`` without a second moment: the codec compresses ``x / d`` and its aggregate is
+        multiplied by ``d``. The floors keep a coordinate whose moment is still zero (never
+        stepped) from dividing by zero (1e-8 is Adam's own ``eps``); ``v`` is the same on every
+        rank (it comes from the all-reduced gradients), so ``d`` is too. No host sync."""
+        v = self.second_moments.get(key)
+        if v is None or not self.codec.harness.precondition:
+            return None
+        d = v.detach().reshape(-1).to(torch.float32).sqrt()
+        return torch.maximum(d, (d.mean() * 0.01).clamp_min(1e-8))
 
     def compressing(self, step: int | None = None) -> bool:
         step = self.step if step is None else step

@@ -1,0 +1,114 @@
+"""The ``precondition`` harness option: codecs compress ``x / d`` with ``d`` from the optimizer's
+second moment, and the aggregate comes back in units of the gradient.
+
+Under Adam every coordinate moves by about the learning rate, whatever its gradient's scale, so a
+sparsifier should keep the coordinates with the largest ``|x| / sqrt(v)``, not the largest ``|x|``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_gloo
+from torch import nn
+
+from lightning_gradcomp.hook import CodecHookState
+from lightning_gradcomp.registry import make_codec
+
+KEY = "0.weight"  # 64 x 32 = 2,048 values: compressed (min_numel 1000)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 10))
+
+
+def _one_step(rank: int, world: int, codec: str, options: dict, precondition: bool) -> dict:
+    """One compressed step (DDP's two plain ones first), with a second moment for ``0.weight``
+    that is 10^6 times larger on its first 32 rows: in Adam's terms those rows barely move."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_gradcomp.api import make_comm_hook
+
+    model = _model()
+    ddp = DDP(model)
+    state, hook = make_comm_hook(
+        codec, ddp, min_numel=1000, dense_layers="none", precondition=precondition, **options
+    )  # fmt: skip
+    ddp.register_comm_hook(state, hook)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(3):
+        x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+        names = dict(model.named_parameters())
+        (g,) = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), [names[KEY]])
+        scale = torch.ones_like(g)
+        scale[:32] = 1e3
+        v = (1e-2 * scale) ** 2  # the same on every rank, as Adam's is
+        state.set_second_moments({KEY: v})
+        ddp.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+    residual = state.memory.residuals.get(KEY)
+    return {
+        "compressed": state.compressing(2),
+        "local": g,
+        "aggregate": names[KEY].grad.clone(),
+        "residual": None if residual is None else residual.view_as(g).clone(),
+    }
+
+
+def test_a_preconditioned_support_keeps_what_adam_would_move_and_feedback_keeps_the_rest():
+    plain, pre = (run_gloo(_one_step, 1, args=("topk", {"ratio": 0.05}, p))[0] for p in (False, True))
+    assert plain["compressed"] and pre["compressed"]
+    for r in (plain, pre):
+        sent = r["aggregate"] != 0
+        assert 0 < int(sent.sum()) <= 103  # ceil(5 % of 2,048)
+        # what was sent is the gradient itself there (x / d, then times d), and error feedback
+        # keeps exactly the rest, in units of the gradient
+        torch.testing.assert_close(r["aggregate"][sent], r["local"][sent], rtol=1e-5, atol=0)
+        torch.testing.assert_close(r["residual"], torch.where(sent, 0.0, r["local"]), rtol=1e-5, atol=1e-12)
+    # by |x| the support spreads over every row; by |x| / d it leaves the first 32 rows alone
+    assert int((plain["aggregate"][:32] != 0).sum()) > 10
+    assert int((pre["aggregate"][:32] != 0).sum()) == 0
+
+
+@pytest.mark.parametrize(("codec", "options"), [("topk", {"ratio": 1.0}), ("fp16", {})])
+def test_two_ranks_receive_the_mean_gradient_through_a_preconditioned_lossless_codec(codec, options):
+    # the all-gather path (topk keeping everything) and the all-reduce path (fp16)
+    ranks = run_gloo(_one_step, 2, args=(codec, options, True))
+    mean = (ranks[0]["local"] + ranks[1]["local"]) / 2
+    assert ranks[0]["compressed"]
+    torch.testing.assert_close(ranks[0]["aggregate"], ranks[1]["aggregate"], rtol=0, atol=0)
+    tol = 1e-6 if codec == "topk" else 2e-3
+    torch.testing.assert_close(ranks[0]["aggregate"], mean, rtol=tol, atol=tol * float(mean.abs().max()))
+
+
+def test_the_strategy_hands_adams_second_moments_to_the_hook_and_not_sgds():
+    from lightning_gradcomp import CompressedDDPStrategy
+
+    strategy = CompressedDDPStrategy(codec="topk", codec_options={"precondition": True})
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    adam, sgd = torch.optim.AdamW([a], lr=0.1), torch.optim.SGD([b], lr=0.1, momentum=0.9)
+    for p, opt in ((a, adam), (b, sgd)):
+        p.grad = torch.tensor([1.0, 2.0, 4.0])
+        opt.step()
+    strategy.optimizers = [adam, sgd]
+    state = CodecHookState(strategy.codec, param_names={id(a): "a", id(b): "b"})
+    strategy.hook_state = state
+    strategy.pre_backward(torch.tensor(0.0))
+    assert set(state.second_moments) == {"a"}
+    assert state.second_moments["a"] is adam.state[a]["exp_avg_sq"]
+    torch.testing.assert_close(state.preconditioner("a"), adam.state[a]["exp_avg_sq"].sqrt())
+    assert state.preconditioner("b") is None
+    # a coordinate whose moment is still zero is floored at 1 % of the layer's mean scale
+    state.set_second_moments({"a": torch.tensor([0.0, 1.0, 4.0])})
+    torch.testing.assert_close(state.preconditioner("a"), torch.tensor([0.01, 1.0, 2.0]))
+    # off (the default): nothing is read
+    off = CodecHookState(make_codec("topk"), param_names={id(a): "a"})
+    off.set_second_moments({"a": torch.ones(3)})
+    assert off.second_moments == {} and off.preconditioner("a") is None
+
+
+@pytest.mark.parametrize("codec", ["powersgd", "auto"])
+def test_codecs_with_their_own_exchange_refuse_it(codec):
+    with pytest.raises(ValueError, match="cannot precondition"):
+        make_codec(codec, precondition=True)
