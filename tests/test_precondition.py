@@ -112,3 +112,45 @@ def test_the_strategy_hands_adams_second_moments_to_the_hook_and_not_sgds():
 def test_codecs_with_their_own_exchange_refuse_it(codec):
     with pytest.raises(ValueError, match="cannot precondition"):
         make_codec(codec, precondition=True)
+
+
+def test_bfloat16_dense_layers_halve_their_bytes_and_stay_identical_on_two_ranks():
+    # the bias of 0 and both tensors of layer 2 are small: they travel uncompressed in the gather
+    fp32, bf16 = (
+        run_gloo(_dense_step, 2, args=(dtype,)) for dtype in ("float32", "bfloat16")
+    )  # fmt: skip
+    for ranks in (fp32, bf16):
+        torch.testing.assert_close(ranks[0]["grads"], ranks[1]["grads"], rtol=0, atol=0)
+    mean = (fp32[0]["local"] + fp32[1]["local"]) / 2
+    torch.testing.assert_close(fp32[0]["grads"], mean, rtol=1e-6, atol=1e-9)
+    # each rank's share rounded to bfloat16 (at most 2^-8 of it), then summed exactly in fp32
+    bound = 2**-8 * (fp32[0]["local"].abs() + fp32[1]["local"].abs()) / 2
+    assert not torch.equal(bf16[0]["grads"], mean)
+    assert bool(((bf16[0]["grads"] - mean).abs() <= bound * 1.0001 + 1e-12).all())
+    dense_values = fp32[0]["grads"].numel()
+    assert fp32[0]["bytes"] - bf16[0]["bytes"] == 2 * dense_values
+
+
+def _dense_step(rank: int, world: int, dtype: str) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_gradcomp.api import make_comm_hook
+
+    model = _model()
+    ddp = DDP(model)
+    state, hook = make_comm_hook("topk", ddp, min_numel=1000, dense_layers="none", ratio=0.05, dense_dtype=dtype)
+    ddp.register_comm_hook(state, hook)
+    gen = torch.Generator().manual_seed(100 + rank)
+    small = ["0.bias", "2.weight", "2.bias"]
+    for _ in range(3):
+        x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+        names = dict(model.named_parameters())
+        local = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), [names[k] for k in small])
+        ddp.zero_grad()
+        state.stats.pop()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+    return {
+        "local": torch.cat([g.reshape(-1) for g in local]),
+        "grads": torch.cat([names[k].grad.reshape(-1) for k in small]),
+        "bytes": state.stats.pop().wire_bytes,  # the last (compressed) step's
+    }

@@ -15,7 +15,8 @@ __all__ = ["send"]
 
 def send(state, buf: Tensor, enc: Encoded, flag: Tensor, step: int) -> torch.futures.Future:
     codec, world = state.codec, state.world_size
-    msg, layout = pack(enc.payload() + [enc.dense, flag], buf.device)
+    dense = enc.dense.to(getattr(torch, codec.harness.dense_dtype))
+    msg, layout = pack(enc.payload() + [dense, flag], buf.device)
     fut = allgather_async(msg, state.process_group)
     enc.t1 = enc.clock.mark()
     enc.record(state, buf, "allgather", layout.payload_bytes)
@@ -34,7 +35,7 @@ def send(state, buf: Tensor, enc: Encoded, flag: Tensor, step: int) -> torch.fut
             g.copy_(total.div_(world).view_as(g))
             off += m
         if enc.dense_grads:
-            enc.write_dense(torch.stack([r[-2] for r in rows]).sum(0))
+            enc.write_dense(torch.stack([r[-2].float() for r in rows]).sum(0))
         # host sync 2 of 2: an overflow in decoding; decoded from identical rows, so the verdict
         # is the same everywhere
         if not bool(torch.isfinite(buf).all()):
