@@ -154,3 +154,11 @@ def _dense_step(rank: int, world: int, dtype: str) -> dict:
         "grads": torch.cat([names[k].grad.reshape(-1) for k in small]),
         "bytes": state.stats.pop().wire_bytes,  # the last (compressed) step's
     }
+
+
+@pytest.mark.parametrize("codec", ["gradiveq", "iwp", "fp16", "powersgd"])
+def test_codecs_that_all_reduce_refuse_bfloat16_dense_layers(codec):
+    with pytest.raises(ValueError, match="dense_dtype='bfloat16' applies to codecs that gather"):
+        make_codec(codec, dense_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"dense_dtype must be one of \['float32', 'bfloat16'\]"):
+        make_codec("topk", dense_dtype="float16")

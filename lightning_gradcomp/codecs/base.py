@@ -230,6 +230,12 @@ class Codec:
             merged.pop("lr_scaled_feedback", None)  # a codec's default applies with error feedback only
         self.options = self.Options(**{k: v for k, v in options.items() if k in own})
         self.harness = HarnessOptions(**merged)
+        if self.harness.dense_dtype != "float32" and type(self).collective != "allgather":
+            raise ValueError(
+                f"dense_dtype={self.harness.dense_dtype!r} applies to codecs that gather their payloads; "
+                f"codec {self.name!r} sends its dense layers in its own {type(self).collective} "
+                "(dense_dtype must be 'float32')"
+            )
         self.check_harness(self.harness)
         self.context: CodecContext | None = None
         self._dense_keys: frozenset[str] = frozenset()  # resolved by plan_layers()

@@ -112,8 +112,10 @@ class HarnessOptions(CodecOptions):
             rounding error of at most 2^-8 per value, summed in fp32 after the gather, as torch's
             ``bf16_compress_hook`` sends whole buckets). In a sparse codec's message these layers
             are most of the bytes (ResNet-18 with ``lgc``: 66 of 213 kB a step; PSPNet: about
-            half). On the all-reduce path they travel in the codec's wire dtype with its payload,
-            one message, and this option does not apply.
+            half). Codecs that send their dense layers in their own all-reduce (``gradiveq``,
+            ``iwp``, ``fp16``, ``powersgd``, ...) refuse anything but ``"float32"``; ``lgc``'s
+            autoencoder with ``variant="rar"`` sums its latents in stage 3, and its dense layers
+            travel in fp32 there.
     """
 
     error_feedback: bool = False
