@@ -113,6 +113,9 @@ class CompressedDDPStrategy(DDPStrategy):
         if not isinstance(stats_every, int) or stats_every < 1:
             raise ValueError(f"stats_every must be an integer >= 1, got {stats_every!r}")
         self.codec = resolve_codec(codec, codec_options)
+        # the options a user set (all of them for a codec object): adaptive_optimizer_defaults
+        # replace only the others
+        self._options_given = None if not isinstance(codec, str) else frozenset(codec_options or ())
         self.stats_every = stats_every
         self.nonfinite = nonfinite
         self.fallback = fallback
@@ -155,7 +158,25 @@ class CompressedDDPStrategy(DDPStrategy):
             if not any(isinstance(cb, type(callback)) for cb in trainer.callbacks):
                 trainer.callbacks.append(callback)
         self._check_optimizer_momentum()
+        self._adopt_adaptive_optimizer_defaults()
         self._warn_sparse_codec_with_adaptive_optimizer(trainer)
+
+    def _adopt_adaptive_optimizer_defaults(self) -> None:
+        """Beside an Adam-like optimizer, set the codec's ``adaptive_optimizer_defaults`` for the
+        options the user did not give (a codec given as an object is kept as it is). The
+        optimizers exist only now, after the hook was set up and the ranks compared the codec's
+        options, but before the first step; every rank builds the same optimizers, so every rank
+        makes the same change."""
+        defaults = self.codec.adaptive_optimizer_defaults
+        if not defaults or self._options_given is None or self.hook_state is None:
+            return
+        if not any(_is_adaptive(g) for opt in self.optimizers for g in opt.param_groups):
+            return
+        # a resumed run takes them again, as the run that wrote its checkpoint did
+        changes = {k: v for k, v in defaults.items() if k not in self._options_given}
+        if changes:
+            self.codec.adopt_defaults(changes)
+            log.info(f"{type(self).__name__}: codec {self.codec.name!r} beside an Adam-like optimizer: {changes}")
 
     def _warn_sparse_codec_with_adaptive_optimizer(self, trainer: pl.Trainer) -> None:
         """Warn once when a sparsifying codec with error feedback meets Adam-like optimizers.

@@ -217,15 +217,18 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 
 class MLPModule(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, optimizer: str = "sgd") -> None:
         super().__init__()
         self.net = _mlp()
+        self.optimizer = optimizer
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         return nn.functional.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self):
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
     def train_dataloader(self):
@@ -366,10 +369,13 @@ class StagesSeen(Callback):
     def on_train_end(self, trainer, pl_module):
         codec = trainer.strategy.codec
         record = {"stages": self.stages, "total": codec.run_total_steps, "trained": codec.ae_trained}
+        record["options"] = [codec.options.ratio, codec.harness.dense_dtype]
+        record["params"] = float(sum(p.double().sum() for p in pl_module.parameters()))
         Path(self.out_dir, f"stages{trainer.global_rank}.json").write_text(__import__("json").dumps(record))
 
 
-def test_default_stages_are_fractions_of_the_run(tmp_path):
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_default_stages_are_fractions_of_the_run(tmp_path, optimizer):
     import json
 
     from lightning.pytorch import Trainer
@@ -387,12 +393,15 @@ def test_default_stages_are_fractions_of_the_run(tmp_path):
         logger=False,
         enable_checkpointing=False,
     )
-    trainer.fit(MLPModule())
+    trainer.fit(MLPModule(optimizer))
+    seen = [json.loads((tmp_path / f"stages{rank}.json").read_text()) for rank in (0, 1)]
     for rank in (0, 1):
-        seen = json.loads((tmp_path / f"stages{rank}.json").read_text())
         # 40 steps: stage 1 for 0.05 of them (2 steps), stage 2 for 0.1 (4 steps), then the AE
-        assert seen["total"] == 40 and seen["trained"]
-        assert seen["stages"] == [1] * 2 + [2] * 4 + [3] * 34
+        assert seen[rank]["total"] == 40 and seen[rank]["trained"]
+        assert seen[rank]["stages"] == [1] * 2 + [2] * 4 + [3] * 34
+        # beside AdamW the strategy gave lgc its denser support and bfloat16 dense layers
+        assert seen[rank]["options"] == ([0.03, "bfloat16"] if optimizer == "adamw" else [0.01, "float32"])
+    assert seen[0]["params"] == seen[1]["params"]
 
 
 # --------------------------------------------------------------------------------------------------

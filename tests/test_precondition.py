@@ -162,3 +162,31 @@ def test_codecs_that_all_reduce_refuse_bfloat16_dense_layers(codec):
         make_codec(codec, dense_dtype="bfloat16")
     with pytest.raises(ValueError, match=r"dense_dtype must be one of \['float32', 'bfloat16'\]"):
         make_codec("topk", dense_dtype="float16")
+
+
+def _strategy_beside(optimizer: str, **kwargs):
+    from lightning_gradcomp import CompressedDDPStrategy
+
+    strategy = CompressedDDPStrategy(**kwargs)
+    w = nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([w]) if optimizer == "adamw" else torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    strategy.optimizers = [opt]
+    strategy.hook_state = CodecHookState(strategy.codec)
+    strategy._adopt_adaptive_optimizer_defaults()
+    return strategy.codec
+
+
+def test_lgc_beside_adam_keeps_a_denser_support_and_bfloat16_dense_layers_unless_told_otherwise():
+    codec = _strategy_beside("adamw", codec="lgc")
+    assert (codec.options.ratio, codec.harness.dense_dtype) == (0.03, "bfloat16")
+    assert codec.config()["ratio"] == 0.03 and codec.config()["dense_dtype"] == "bfloat16"
+    codec = _strategy_beside("sgd", codec="lgc")
+    assert (codec.options.ratio, codec.harness.dense_dtype) == (0.01, "float32")
+    # what the user set stays; a codec built by the user is kept as it is
+    codec = _strategy_beside("adamw", codec="lgc", codec_options={"ratio": 0.02})
+    assert (codec.options.ratio, codec.harness.dense_dtype) == (0.02, "bfloat16")
+    codec = _strategy_beside("adamw", codec=make_codec("lgc"))
+    assert (codec.options.ratio, codec.harness.dense_dtype) == (0.01, "float32")
+    # codecs without such defaults are left alone
+    codec = _strategy_beside("adamw", codec="topk")
+    assert (codec.options.ratio, codec.harness.dense_dtype) == (0.01, "float32")

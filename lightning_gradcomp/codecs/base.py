@@ -184,7 +184,7 @@ class Codec:
 
     - :attr:`collective` (how payloads combine, see the module docstring), :attr:`Options` (its
       hyper-parameters), :attr:`harness_defaults`, :attr:`wire_dtype`, :attr:`sparse_local`,
-      :attr:`adaptive_by_default`;
+      :attr:`adaptive_by_default`, :attr:`adaptive_optimizer_defaults`;
     - :meth:`aggregate` (``allgather`` codecs, to be faster than decoding one payload at a time),
       :meth:`error_bound` (checked by the property tests), :meth:`is_compressing` (a warm-up),
       :meth:`check_harness` (refuse a harness option it cannot run with).
@@ -214,6 +214,11 @@ class Codec:
     #: whether ``CompressedDDPStrategy`` attaches the level controller (``AdaptiveCompression``)
     #: unless told otherwise (``adaptive_level=None``): for codecs measured to need it to train
     adaptive_by_default: ClassVar[bool] = False
+    #: options (the codec's own or the harness's) that ``CompressedDDPStrategy`` sets in place of
+    #: their defaults when the run's optimizer scales each coordinate's step by its own running
+    #: gradient scale (Adam and its kin) and the user did not set them: for codecs measured to
+    #: need another level there
+    adaptive_optimizer_defaults: ClassVar[Mapping[str, Any]] = {}
 
     def __init__(self, **options: Any) -> None:
         own = {f.name for f in dataclasses.fields(self.Options)}
@@ -317,6 +322,17 @@ class Codec:
                 f"Its own options: {', '.join(own)}"
             )
         self.options = dataclasses.replace(self.options, **changes)
+
+    def adopt_defaults(self, changes: Mapping[str, Any]) -> None:
+        """Set options, the codec's own and the harness's alike, checked again; for
+        :attr:`adaptive_optimizer_defaults`, before the first compressed step."""
+        harness = {k: v for k, v in changes.items() if k in {f.name for f in dataclasses.fields(HarnessOptions)}}
+        own = {k: v for k, v in changes.items() if k not in harness}
+        if own:
+            self.replace_options(**own)
+        if harness:
+            self.harness = dataclasses.replace(self.harness, **harness)
+            self.check_harness(self.harness)
 
     def plan_layers(self, named_parameters: Iterable[tuple[str, Tensor]]) -> frozenset[str]:
         """Resolve ``dense_layers`` against the model (:func:`lightning_gradcomp.hook.layers.plan_layers`);
