@@ -190,3 +190,15 @@ def test_lgc_beside_adam_keeps_a_denser_support_and_bfloat16_dense_layers_unless
     # codecs without such defaults are left alone
     codec = _strategy_beside("adamw", codec="topk")
     assert (codec.options.ratio, codec.harness.dense_dtype) == (0.01, "float32")
+
+
+def test_adopted_defaults_are_checked_like_given_ones():
+    codec = make_codec("gradiveq")
+    with pytest.raises(ValueError, match="dense_dtype='bfloat16' applies to codecs that gather"):
+        codec.adopt_defaults({"dense_dtype": "bfloat16"})
+    assert codec.harness.dense_dtype == "float32"  # a refused value changes nothing
+    lgc = make_codec("lgc")
+    with pytest.raises(ValueError, match="ratio must be in"):
+        lgc.adopt_defaults({"ratio": 2.0})
+    lgc.adopt_defaults({"ratio": 0.03, "dense_dtype": "bfloat16"})
+    assert lgc.config()["ratio"] == 0.03 and lgc.config()["dense_dtype"] == "bfloat16"

@@ -235,13 +235,7 @@ class Codec:
             merged.pop("lr_scaled_feedback", None)  # a codec's default applies with error feedback only
         self.options = self.Options(**{k: v for k, v in options.items() if k in own})
         self.harness = HarnessOptions(**merged)
-        if self.harness.dense_dtype != "float32" and type(self).collective != "allgather":
-            raise ValueError(
-                f"dense_dtype={self.harness.dense_dtype!r} applies to codecs that gather their payloads; "
-                f"codec {self.name!r} sends its dense layers in its own {type(self).collective} "
-                "(dense_dtype must be 'float32')"
-            )
-        self.check_harness(self.harness)
+        self._check_harness_for_codec()
         self.context: CodecContext | None = None
         self._dense_keys: frozenset[str] = frozenset()  # resolved by plan_layers()
         self._run_total_steps: int | None = None  # set by fit_to_run()
@@ -331,8 +325,22 @@ class Codec:
         if own:
             self.replace_options(**own)
         if harness:
-            self.harness = dataclasses.replace(self.harness, **harness)
-            self.check_harness(self.harness)
+            before, self.harness = self.harness, dataclasses.replace(self.harness, **harness)
+            try:
+                self._check_harness_for_codec()
+            except ValueError:
+                self.harness = before  # a refused value changes nothing
+                raise
+
+    def _check_harness_for_codec(self) -> None:
+        """The harness options this codec cannot run with: the harness's own rule, then the codec's."""
+        if self.harness.dense_dtype != "float32" and type(self).collective != "allgather":
+            raise ValueError(
+                f"dense_dtype={self.harness.dense_dtype!r} applies to codecs that gather their payloads; "
+                f"codec {self.name!r} sends its dense layers in its own {type(self).collective} "
+                "(dense_dtype must be 'float32')"
+            )
+        self.check_harness(self.harness)
 
     def plan_layers(self, named_parameters: Iterable[tuple[str, Tensor]]) -> frozenset[str]:
         """Resolve ``dense_layers`` against the model (:func:`lightning_gradcomp.hook.layers.plan_layers`);
