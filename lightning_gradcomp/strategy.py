@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import lightning.pytorch as pl
 import torch
@@ -437,30 +437,30 @@ def _adaptive_callback(adaptive_level: bool | dict[str, Any] | None, codec: Code
     return AdaptiveCompression(**arguments)
 
 
-def _learning_rates(optimizer: Any, param_names: dict[int, str]) -> dict[str, float]:
-    """The learning rate of every named parameter the optimizer steps (per parameter group)."""
-    optimizer = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps the torch one
-    rates: dict[str, float] = {}
+def _named_parameters(optimizer: Any, param_names: dict[int, str]) -> Iterator[tuple[str, Any, dict, dict]]:
+    """``(name, parameter, its group, its optimizer state)`` for every named parameter the
+    optimizer steps (a LightningOptimizer is unwrapped to the torch one)."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)
     for group in optimizer.param_groups:
-        lr = float(group["lr"])
         for p in group["params"]:
             name = param_names.get(id(p))
             if name is not None:
-                rates[name] = lr
-    return rates
+                yield name, p, group, optimizer.state.get(p, {})
+
+
+def _learning_rates(optimizer: Any, param_names: dict[int, str]) -> dict[str, float]:
+    """The learning rate of every named parameter the optimizer steps (per parameter group)."""
+    return {name: float(group["lr"]) for name, _, group, _ in _named_parameters(optimizer, param_names)}
 
 
 def _second_moments(optimizer: Any, param_names: dict[int, str]) -> dict[str, torch.Tensor]:
     """The per-coordinate second moment (``exp_avg_sq``: Adam and its kin) of every named
     parameter the optimizer has stepped; parameters without one are left out."""
-    optimizer = getattr(optimizer, "optimizer", optimizer)
     moments: dict[str, torch.Tensor] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            name = param_names.get(id(p))
-            v = optimizer.state.get(p, {}).get("exp_avg_sq")
-            if name is not None and isinstance(v, torch.Tensor) and v.shape == p.shape:
-                moments[name] = v
+    for name, p, _, state in _named_parameters(optimizer, param_names):
+        v = state.get("exp_avg_sq")
+        if isinstance(v, torch.Tensor) and v.shape == p.shape:
+            moments[name] = v
     return moments
 
 
