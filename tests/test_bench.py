@@ -446,6 +446,27 @@ def test_accuracy_runs_recipes_and_collects_metrics(tmp_path, capsys):
     assert all(r["status"].startswith("missing recipe") for r in rows if r["task"] == "camvid")
 
 
+def test_accuracy_runs_several_recipes_at_once_on_the_accelerator_given(tmp_path, capsys):
+    """--jobs N: N runs at once, every row saved with its seed and the accelerator the recipe got."""
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "resnet_cifar10.py").write_text(FAKE_RECIPE)
+    out = tmp_path / "acc"
+    args = ["accuracy", "--tasks", "cifar10", "--codecs", "none,topk", "--seeds", "0,1", "--max-steps", "5"]
+    args += ["--accelerator", "gpu", "--devices", "1", "--jobs", "3", "--recipes-dir", str(recipes), "--out", str(out)]
+    assert bench_main(args) == 0
+    data = json.loads((out / "accuracy.json").read_text())
+    assert sorted((r["codec"], r["seed"]) for r in data["rows"]) == [("none", 0), ("none", 1), ("topk", 0), ("topk", 1)]
+    for r in data["rows"]:
+        assert r["status"] == "ok" and r["accelerator"] == "gpu"
+        assert r["raw"]["argv"]["trainer.accelerator"] == "gpu" and r["raw"]["argv"]["trainer.devices"] == "1"
+        assert r["raw"]["argv"]["seed_everything"] == str(r["seed"])
+    assert data["meta"]["accelerator"] == "gpu"
+    assert (out / "runs" / "cifar10-topk-seed1.cwd").is_dir()  # runs at once do not share a working directory
+    summary = {s["codec"]: s for s in data["summary"]}
+    assert summary["topk"]["vs_none_mean"] == pytest.approx(-0.055) and summary["topk"]["vs_none_seeds"] == 2
+
+
 def test_accuracy_seeds_and_epochs_reach_the_recipe(tmp_path, capsys):
     """Each seed is its own run with its own files; --max-epochs replaces the step budget."""
     recipes = tmp_path / "recipes"
@@ -635,12 +656,15 @@ def test_extract_history_orders_steps_and_keeps_the_last_point_of_a_step():
         "history": [
             {"step": 100, "metric": 0.4},
             {"step": 50, "metric": 0.3},
-            {"step": 100, "metric": 0.45},
+            {"step": 100, "metric": 0.45, "wall_s": 12.5},
             {"step": "x", "metric": 1.0},
             {"metric": 0.2},
         ]
     }
-    assert accuracy.extract_history(data) == [{"step": 50, "metric": 0.3}, {"step": 100, "metric": 0.45}]
+    assert accuracy.extract_history(data) == [
+        {"step": 50, "metric": 0.3},
+        {"step": 100, "metric": 0.45, "wall_s": 12.5},  # the recipe's seconds since training started, kept
+    ]
     assert accuracy.extract_history({"metrics": {"val/acc": 0.5}}) == []
 
 

@@ -16,6 +16,11 @@ was stopped goes on where it stopped: each configuration (task, codec label, see
 skipped and its row kept; failed ones run again; rows of other configurations stay in the file.
 Without ``--resume`` the file is written anew.
 
+On a GPU machine, ``--accelerator gpu --devices 1 --jobs 4`` runs four recipes at once on the one
+GPU (each a single NCCL rank: the codec compresses that rank's gradient, as every rank's would be;
+what only several ranks do, a shared support or basis drawn from the leader, is then the rank's
+own). Rows record the accelerator; keep such results in their own ``--out``.
+
 The summary gives per (task, codec, configuration) the mean of the metric over the seeds and its
 spread (max - min), the steps, and the mean compression ratios.
 """
@@ -28,6 +33,7 @@ import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-epochs", type=int, default=None, help="epochs per run, instead of (or with) --max-steps")
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument(
+        "--accelerator", choices=("cpu", "gpu"), default="cpu", help="passed to the recipes (default %(default)s)"
+    )
+    p.add_argument("--jobs", type=int, default=1, help="recipe runs at once (default 1; more on a GPU machine)")
     p.add_argument("--recipes-dir", default=None, help="the recipes (default: the checkout's recipes/)")
     p.add_argument(
         "--cifar-data-dir", default=None, help="CIFAR-10 for resnet_cifar10.py (default: the recipe's own default)"
@@ -164,13 +174,17 @@ def extract_metrics(data: dict[str, Any], task: str, metric_key: str | None = No
 
 
 def extract_history(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """The recipe's validation history, ``[{"step": int, "metric": float}, ...]`` by step; of two
-    points at one step the later one counts. Empty when the recipe records none."""
-    points: dict[int, float] = {}
+    """The recipe's validation history, ``[{"step": int, "metric": float}, ...]`` by step, with
+    ``wall_s`` (seconds since training started) where the recipe recorded it; of two points at one
+    step the later one counts. Empty when the recipe records none."""
+    points: dict[int, dict[str, Any]] = {}
     for p in data.get("history") or []:
         if isinstance(p, dict) and all(isinstance(p.get(k), (int, float)) for k in ("step", "metric")):
-            points[int(p["step"])] = float(p["metric"])
-    return [{"step": k, "metric": points[k]} for k in sorted(points)]
+            point: dict[str, Any] = {"step": int(p["step"]), "metric": float(p["metric"])}
+            if isinstance(p.get("wall_s"), (int, float)):
+                point["wall_s"] = float(p["wall_s"])
+            points[point["step"]] = point
+    return [points[k] for k in sorted(points)]
 
 
 def recipe_option(argv: list[str], name: str) -> str | None:
@@ -248,10 +262,12 @@ def config_key(row: dict[str, Any]) -> tuple:
 
 def run_recipe(task: str, codec: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One recipe run as a subprocess; its row, with the configuration that :func:`config_key` reads."""
-    script = Path(args.recipes_dir or paths.recipes_dir()) / TASKS[task][0]
+    script = (Path(args.recipes_dir or paths.recipes_dir()) / TASKS[task][0]).resolve()
     data_dir = args.cifar_data_dir if task == "cifar10" else args.camvid_data_dir
+    if data_dir and Path(data_dir).exists():
+        data_dir = str(Path(data_dir).resolve())
     name = f"{task}-{codec}-seed{seed}"
-    metrics = out / "runs" / f"{name}.json"
+    metrics = (out / "runs" / f"{name}.json").resolve()
     metrics.parent.mkdir(parents=True, exist_ok=True)
     if metrics.exists():
         metrics.unlink()
@@ -266,7 +282,7 @@ def run_recipe(task: str, codec: str, seed: int, args: argparse.Namespace, out: 
         "--trainer.devices",
         str(args.devices),
         "--trainer.accelerator",
-        "cpu",
+        getattr(args, "accelerator", "cpu"),
         "--seed_everything",
         str(seed),
     ]
@@ -299,6 +315,7 @@ def run_recipe(task: str, codec: str, seed: int, args: argparse.Namespace, out: 
         "recipe_args": shlex.join(recipe_args),
         "codec_options": options,
         "devices": args.devices,
+        "accelerator": getattr(args, "accelerator", "cpu"),
         "model": recipe_option(recipe_args, "--model.model"),
         "batch_size": _int_or_text(recipe_option(recipe_args, "--data.batch_size")),
         "command": shlex.join(cmd),
@@ -306,11 +323,19 @@ def run_recipe(task: str, codec: str, seed: int, args: argparse.Namespace, out: 
     if not script.exists():
         row["status"] = f"missing recipe {script}"
         return row
+    # runs at once each get a working directory of their own: their logs, versions and
+    # checkpoints (relative to it in the recipes' configs) must not meet
+    cwd = None
+    if getattr(args, "jobs", 1) > 1:
+        cwd = out / "runs" / f"{name}.cwd"
+        cwd.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     log = out / "runs" / f"{name}.log"
     with log.open("w") as f:
         try:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, check=False)
+            proc = subprocess.run(
+                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, check=False, cwd=cwd
+            )
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = None
@@ -439,11 +464,13 @@ def main(args: argparse.Namespace) -> int:
         "max_epochs": max_epochs,
         "seeds": seeds,
         "devices": args.devices,
+        "accelerator": getattr(args, "accelerator", "cpu"),
         "recipe_args": args.recipe_args,
         "machine": machine_info(),
         "argv": argv,
     }
     this_run: list[tuple] = []
+    todo: list[tuple[tuple, str, str, int]] = []
     for task in tasks:
         for codec in codecs:
             for seed in seeds:
@@ -463,11 +490,26 @@ def main(args: argparse.Namespace) -> int:
                 if done.get(key, {}).get("status") == "ok":
                     print(f"accuracy: {task} {codec} seed {seed}: done before, kept", file=sys.stderr, flush=True)
                     continue
-                print(f"accuracy: {task} {codec} seed {seed} ...", file=sys.stderr, flush=True)
-                done[key] = run_recipe(task, codec, seed, args, out)
-                rows = list(done.values())
-                write_json(out / "accuracy.json", {"meta": meta, "rows": rows, "summary": summarize(rows)})
-                write_csv(out / "accuracy.csv", rows)
+                todo.append((key, task, codec, seed))
+
+    def save(key: tuple, row: dict[str, Any]) -> None:
+        done[key] = row
+        rows = list(done.values())
+        write_json(out / "accuracy.json", {"meta": meta, "rows": rows, "summary": summarize(rows)})
+        write_csv(out / "accuracy.csv", rows)
+
+    jobs = max(1, getattr(args, "jobs", 1))
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        running = {}
+        for key, task, codec, seed in todo:
+            print(f"accuracy: {task} {codec} seed {seed} ...", file=sys.stderr, flush=True)
+            running[pool.submit(run_recipe, task, codec, seed, args, out)] = key
+            if jobs == 1:  # one at a time: each row is saved before the next run starts
+                (future,) = running
+                save(running.pop(future), future.result())
+        # the rows are written here, by this thread alone, as the runs end
+        for future in as_completed(running):
+            save(running[future], future.result())
     rows = list(done.values())
     summary = summarize(rows)
     write_json(out / "accuracy.json", {"meta": meta, "rows": rows, "summary": summary})

@@ -74,7 +74,7 @@ def write_csv(path: Path, rows: Sequence[dict[str, Any]], keys: Sequence[str] | 
 
 
 def machine_info() -> dict[str, Any]:
-    """CPU model and cores, memory, Python, torch and Lightning versions."""
+    """CPU model and cores, memory, the GPU if any, Python, torch and Lightning versions."""
     info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version()}
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -90,6 +90,13 @@ def machine_info() -> dict[str, Any]:
         mem = [line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")]
         info["mem_gib"] = round(int(mem[0].split()[1]) / 2**20, 1)
     except (OSError, IndexError):
+        pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:  # no torch or no driver: a CPU machine
         pass
     for mod in ("torch", "lightning", "torchvision", "segmentation_models_pytorch"):
         try:
