@@ -333,9 +333,7 @@ def run_recipe(task: str, codec: str, seed: int, args: argparse.Namespace, out: 
     log = out / "runs" / f"{name}.log"
     with log.open("w") as f:
         try:
-            proc = subprocess.run(
-                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, check=False, cwd=cwd
-            )
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, check=False, cwd=cwd)
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = None
