@@ -61,32 +61,40 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
 
 
-def train_every_codec(rank: int, world: int, device_name: str) -> dict[str, Any]:
-    """Each registered codec on a plain DDP model on ``device_name``; per codec the final
-    weights (on the CPU) and the devices every collective saw."""
+def train_every_codec(rank: int, world: int, device_name: str, names: list[str] | None = None) -> dict[str, Any]:
+    """Each registered codec (or those of ``names``) on a plain DDP model on ``device_name``; per
+    codec the final weights (on the CPU) and the devices every collective saw. An error names the
+    codec it came from."""
     if device_name == "cuda":
         torch.cuda.set_device(0)  # two ranks may share one GPU: gloo does not care
     device = torch.device(device_name, 0) if device_name == "cuda" else torch.device("cpu")
     seen: list[tuple[str, str]] = []
     record_collectives(seen)
     out: dict[str, Any] = {}
-    for name in available_codecs():
-        seen.clear()
-        model = make_model().to(device)
-        ddp = DDP(model, device_ids=[0] if device.type == "cuda" else None, bucket_cap_mb=0.01)
-        opts = dict(FAST.get(name, {"start_step": 2, "min_numel": 256}))
-        state, hook = make_comm_hook(name, ddp, stats_every=1, fallback=False, **opts)
-        ddp.register_comm_hook(state, hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-        g = torch.Generator().manual_seed(100 + rank)
-        compressed = False
-        for _ in range(STEPS):
-            x, y = torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)
-            opt.zero_grad()
-            nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
-            opt.step()
-            st = state.stats.pop()
-            compressed |= bool(st is not None and st.compressed and st.wire_bytes < st.raw_wire_bytes)
-        weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
-        out[name] = {"weights": weights, "devices": sorted(set(seen)), "compressed": compressed}
+    for name in names or available_codecs():
+        try:
+            out[name] = _train_one(name, rank, device, seen)
+        except Exception as e:
+            raise RuntimeError(f"codec {name}: {type(e).__name__}: {e}") from e
     return out
+
+
+def _train_one(name: str, rank: int, device: torch.device, seen: list[tuple[str, str]]) -> dict[str, Any]:
+    seen.clear()
+    model = make_model().to(device)
+    ddp = DDP(model, device_ids=[0] if device.type == "cuda" else None, bucket_cap_mb=0.01)
+    opts = dict(FAST.get(name, {"start_step": 2, "min_numel": 256}))
+    state, hook = make_comm_hook(name, ddp, stats_every=1, fallback=False, **opts)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(100 + rank)
+    compressed = False
+    for _ in range(STEPS):
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
+        opt.step()
+        st = state.stats.pop()
+        compressed |= bool(st is not None and st.compressed and st.wire_bytes < st.raw_wire_bytes)
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+    return {"weights": weights, "devices": sorted(set(seen)), "compressed": compressed}

@@ -93,8 +93,8 @@ class Net(pl.LightningModule):
             # the batch is a function of (optimizer step, rank, micro-batch) only, so a resumed run
             # sees exactly the data an uninterrupted one sees, whatever the loader's resume rules
             g = torch.Generator().manual_seed(1_000 * self.global_step + 10 * self.global_rank + batch_idx % 8)
-            x = torch.randn(x.shape, generator=g)
-            y = (x @ self.teacher).argmax(1)
+            x_host = torch.randn(x.shape, generator=g)
+            x, y = x_host.to(x.device), (x_host @ self.teacher).argmax(1).to(y.device)
         x = x.to(self.body[0].weight.dtype)
         loss = F.cross_entropy(self.body(x).float(), y)
         hp = self.hparams
