@@ -651,6 +651,41 @@ def test_accuracy_resume_keys_on_recipe_args_and_codec_options(tmp_path, monkeyp
     assert accuracy.config_key(row) != accuracy.config_key({**row, "codec_options": {"rank": 2, "a": 1}})
 
 
+def test_a_run_under_the_level_controller_pairs_with_none_of_the_same_configuration():
+    """none cannot take the controller's flag; a controlled run still pairs with the none run that
+    differs from it by that flag alone, and with no other."""
+    base = {"task": "cifar10", "seed": 0, "max_steps": None, "max_epochs": 1, "codec_options": {}, "devices": 2}
+    args = "--model.model resnet18 --data.batch_size 32"
+    rows = [
+        {**base, "codec": "none", "recipe_args": args, "metric": 0.60, "status": "ok"},
+        {**base, "codec": "none", "recipe_args": args + " --model.lr 0.1", "metric": 0.70, "status": "ok"},
+        {
+            **base,
+            "codec": "fft@adaptive",
+            "recipe_args": args + " --trainer.strategy.adaptive_level true",
+            "metric": 0.59,
+            "status": "ok",
+        },
+        {
+            **base,
+            "codec": "topk@adaptive",
+            "recipe_args": args + " --trainer.strategy.adaptive_level=true",
+            "metric": 0.57,
+            "status": "ok",
+        },
+        {
+            **base,
+            "codec": "fft@lr",
+            "recipe_args": args + " --model.lr 0.1 --trainer.strategy.adaptive_level true",
+            "metric": 0.69,
+            "status": "ok",
+        },
+    ]
+    got = {s["codec"]: s["vs_none_mean"] for s in accuracy.summarize(rows)}
+    assert got["fft@adaptive"] == pytest.approx(-0.01) and got["topk@adaptive"] == pytest.approx(-0.03)
+    assert got["fft@lr"] == pytest.approx(-0.01)  # its own none: the one at lr 0.1
+
+
 def test_extract_history_orders_steps_and_keeps_the_last_point_of_a_step():
     data = {
         "history": [

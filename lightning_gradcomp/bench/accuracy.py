@@ -375,11 +375,29 @@ def _mean(values: list[Any]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+CONTROLLER_FLAG = "--trainer.strategy.adaptive_level"
+
+
+def _without_controller_flag(recipe_args: str | None) -> str | None:
+    """``recipe_args`` without the level controller's flag and its value."""
+    if not recipe_args:
+        return recipe_args
+    out: list[str] = []
+    words = iter(shlex.split(recipe_args))
+    for a in words:
+        if a == CONTROLLER_FLAG:
+            next(words, None)
+        elif not a.startswith(CONTROLLER_FLAG + "="):
+            out.append(a)
+    return shlex.join(out)
+
+
 def _pairing_key(row: dict[str, Any]) -> tuple:
     """What a run shares with the ``none`` run it is compared with: all of :func:`config_key` but
-    the codec label and its options."""
+    the codec label, its options and the level controller's flag (``none`` has no level to set,
+    and the strategy refuses the controller for it, so its run goes without the flag)."""
     key = config_key(row)
-    return key[:1] + key[2:6] + key[7:]
+    return key[:1] + key[2:5] + (_without_controller_flag(key[5]),) + key[7:]
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
