@@ -51,7 +51,7 @@ class CompressedDDPStrategy(DDPStrategy):
             :class:`~lightning_gradcomp.codecs.base.Codec` object.
         codec_options: hyper-parameters of the named codec (``make_codec(codec, **codec_options)``).
             Beside an Adam-like optimizer a named codec takes its ``adaptive_optimizer_defaults``
-            for the options not given here (``lgc``: ``ratio=0.03``, ``dense_dtype="bfloat16"``).
+            for the options not given here (``lgc``: ``ratio=0.03``).
         stats_every: sample the relative compression error every this many steps.
         nonfinite: what happens when any rank's gradient holds a NaN or an Inf: ``"skip"`` the
             optimizer step on every rank (default), step with the bad buckets ``"zero"``-ed, or

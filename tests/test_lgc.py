@@ -170,17 +170,19 @@ def _train_both_variants(rank: int, world: int) -> dict:
 
 def _expected_wire(stage: int, variant: str, world: int) -> float:
     sizes = [p.numel() for p in _mlp().parameters() if p.numel() >= 1000]
-    dense = sum(p.numel() for p in _mlp().parameters() if p.numel() < 1000) + 1  # + the non-finite flag
+    dense = sum(p.numel() for p in _mlp().parameters() if p.numel() < 1000)
+    # gathered steps send the dense layers in bfloat16 (lgc's default) and the non-finite flag in fp32
+    gathered_dense = 2 * dense + 4
     ks = [math.ceil(RATIO * n) for n in sizes]
     codes = sum(encoded_nbytes(choose_encoding("auto", k, n), k, n) for k, n in zip(ks, sizes))
     if stage == 2:  # positions broadcast as a compact code; values all-gathered
-        return codes + (world - 1) * 4 * (sum(ks) + dense)
+        return codes + (world - 1) * (4 * sum(ks) + gathered_dense)
     bcast = codes + 8 * len(ks)  # positions, one scale and one guard flag per layer
     lat = [LATENT * GradientAutoencoder.latent_len(k) for k in ks]
-    if variant == "rar":  # latents summed in the ring all-reduce
-        return bcast + 2 * (world - 1) / world * 4 * (sum(lat) + dense)
+    if variant == "rar":  # latents summed in the ring all-reduce, with the dense layers and the flag in fp32
+        return bcast + 2 * (world - 1) / world * 4 * (sum(lat) + dense + 1)
     inn = [max(1, math.ceil(INNOV * n)) for n in sizes]  # ps: leader's latents, everyone's innovation
-    return bcast + 4 * sum(lat) + (world - 1) * (8 * sum(inn) + 4 * dense)
+    return bcast + 4 * sum(lat) + (world - 1) * (8 * sum(inn) + gathered_dense)
 
 
 def test_both_variants_stage_alike_and_decode_identically_on_two_ranks():
@@ -400,7 +402,7 @@ def test_default_stages_are_fractions_of_the_run(tmp_path, optimizer):
         assert seen[rank]["total"] == 40 and seen[rank]["trained"]
         assert seen[rank]["stages"] == [1] * 2 + [2] * 4 + [3] * 34
         # beside AdamW the strategy gave lgc its denser support and bfloat16 dense layers
-        assert seen[rank]["options"] == ([0.03, "bfloat16"] if optimizer == "adamw" else [0.01, "float32"])
+        assert seen[rank]["options"] == ([0.03, "bfloat16"] if optimizer == "adamw" else [0.01, "bfloat16"])
     assert seen[0]["params"] == seen[1]["params"]
 
 

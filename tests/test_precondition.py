@@ -176,17 +176,17 @@ def _strategy_beside(optimizer: str, **kwargs):
     return strategy.codec
 
 
-def test_lgc_beside_adam_keeps_a_denser_support_and_bfloat16_dense_layers_unless_told_otherwise():
+def test_lgc_beside_adam_keeps_a_denser_support_unless_told_otherwise():
     codec = _strategy_beside("adamw", codec="lgc")
     assert (codec.options.ratio, codec.harness.dense_dtype) == (0.03, "bfloat16")
     assert codec.config()["ratio"] == 0.03 and codec.config()["dense_dtype"] == "bfloat16"
-    codec = _strategy_beside("sgd", codec="lgc")
-    assert (codec.options.ratio, codec.harness.dense_dtype) == (0.01, "float32")
+    codec = _strategy_beside("sgd", codec="lgc")  # lgc's dense layers go in bfloat16 with any optimizer
+    assert (codec.options.ratio, codec.harness.dense_dtype) == (0.01, "bfloat16")
     # what the user set stays; a codec built by the user is kept as it is
-    codec = _strategy_beside("adamw", codec="lgc", codec_options={"ratio": 0.02})
-    assert (codec.options.ratio, codec.harness.dense_dtype) == (0.02, "bfloat16")
-    codec = _strategy_beside("adamw", codec=make_codec("lgc"))
-    assert (codec.options.ratio, codec.harness.dense_dtype) == (0.01, "float32")
+    codec = _strategy_beside("adamw", codec="lgc", codec_options={"ratio": 0.02, "dense_dtype": "float32"})
+    assert (codec.options.ratio, codec.harness.dense_dtype) == (0.02, "float32")
+    codec = _strategy_beside("adamw", codec=make_codec("lgc", ratio=0.02))
+    assert codec.options.ratio == 0.02
     # codecs without such defaults are left alone
     codec = _strategy_beside("adamw", codec="topk")
     assert (codec.options.ratio, codec.harness.dense_dtype) == (0.01, "float32")
@@ -197,8 +197,9 @@ def test_adopted_defaults_are_checked_like_given_ones():
     with pytest.raises(ValueError, match="dense_dtype='bfloat16' applies to codecs that gather"):
         codec.adopt_defaults({"dense_dtype": "bfloat16"})
     assert codec.harness.dense_dtype == "float32"  # a refused value changes nothing
-    lgc = make_codec("lgc")
+    lgc = make_codec("lgc", dense_dtype="float32")
     with pytest.raises(ValueError, match="ratio must be in"):
         lgc.adopt_defaults({"ratio": 2.0})
+    assert lgc.config()["ratio"] == 0.01  # a refused value changes nothing
     lgc.adopt_defaults({"ratio": 0.03, "dense_dtype": "bfloat16"})
     assert lgc.config()["ratio"] == 0.03 and lgc.config()["dense_dtype"] == "bfloat16"
