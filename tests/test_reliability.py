@@ -274,6 +274,13 @@ STEPS, CUT = 16, 7
 # (commit afb9483, options scraped from the codec's attributes): they must resume unchanged
 PREVIOUS = HERE / "data" / "checkpoints_afb9483"
 PREVIOUS_CODECS = ["topk", "fft", "gradiveq", "lgc", "powersgd"]
+# defaults changed since those checkpoints were written: the runs compared with them take the
+# values the checkpoints were written with (lgc's dense layers then travelled in fp32)
+PREVIOUS_OPTIONS = {"lgc": {"dense_dtype": "float32"}}
+
+
+def _previous_options(codec: str) -> dict:
+    return {**short_options(codec), **PREVIOUS_OPTIONS.get(codec, {})}
 
 
 @pytest.fixture(scope="module")
@@ -291,13 +298,13 @@ def resume_results(tmp_path_factory) -> dict[str, list[list[dict]]]:
     for c in previous:
         # those checkpoints were written without the level controller, which lgc now attaches by
         # default: they resume without it, and are compared with an uninterrupted run without it
-        common = {"codec": c, "codec_options": short_options(c), "max_steps": STEPS, "adaptive_level": False}
+        common = {"codec": c, "codec_options": _previous_options(c), "max_steps": STEPS, "adaptive_level": False}
         runs.append({**common, "model": {"step_data": True, "momentum": 0.9}})
         runs[-1].update(ckpt_path=str(PREVIOUS / f"{c}.ckpt"), weights_only=True)
     controlled = [c for c in previous if codec_class(c).adaptive_by_default]
     for c in controlled:
         model = {"step_data": True, "momentum": 0.9}
-        runs.append({"codec": c, "codec_options": short_options(c), "max_steps": STEPS, "model": model})
+        runs.append({"codec": c, "codec_options": _previous_options(c), "max_steps": STEPS, "model": model})
         runs[-1]["adaptive_level"] = False
     results = _lightning(runs, timeout=600)
     out = {c: (results[2 * i], results[2 * i + 1], dirs[c]) for i, c in enumerate(present)}

@@ -515,17 +515,19 @@ def main(args: argparse.Namespace) -> int:
         write_csv(out / "accuracy.csv", rows)
 
     jobs = max(1, getattr(args, "jobs", 1))
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        running = {}
+    if jobs == 1:  # one at a time: each row is saved before the next run starts
         for key, task, codec, seed in todo:
             print(f"accuracy: {task} {codec} seed {seed} ...", file=sys.stderr, flush=True)
-            running[pool.submit(run_recipe, task, codec, seed, args, out)] = key
-            if jobs == 1:  # one at a time: each row is saved before the next run starts
-                (future,) = running
-                save(running.pop(future), future.result())
-        # the rows are written here, by this thread alone, as the runs end
-        for future in as_completed(running):
-            save(running[future], future.result())
+            save(key, run_recipe(task, codec, seed, args, out))
+    else:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            running = {}
+            for key, task, codec, seed in todo:
+                print(f"accuracy: {task} {codec} seed {seed} ...", file=sys.stderr, flush=True)
+                running[pool.submit(run_recipe, task, codec, seed, args, out)] = key
+            # the rows are written here, by this thread alone, as the runs end
+            for future in as_completed(running):
+                save(running[future], future.result())
     rows = list(done.values())
     summary = summarize(rows)
     write_json(out / "accuracy.json", {"meta": meta, "rows": rows, "summary": summary})
