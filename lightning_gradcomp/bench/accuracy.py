@@ -282,7 +282,7 @@ def run_recipe(task: str, codec: str, seed: int, args: argparse.Namespace, out: 
         "--trainer.devices",
         str(args.devices),
         "--trainer.accelerator",
-        getattr(args, "accelerator", "cpu"),
+        args.accelerator,
         "--seed_everything",
         str(seed),
     ]
@@ -315,7 +315,7 @@ def run_recipe(task: str, codec: str, seed: int, args: argparse.Namespace, out: 
         "recipe_args": shlex.join(recipe_args),
         "codec_options": options,
         "devices": args.devices,
-        "accelerator": getattr(args, "accelerator", "cpu"),
+        "accelerator": args.accelerator,
         "model": recipe_option(recipe_args, "--model.model"),
         "batch_size": _int_or_text(recipe_option(recipe_args, "--data.batch_size")),
         "command": shlex.join(cmd),
@@ -326,7 +326,7 @@ def run_recipe(task: str, codec: str, seed: int, args: argparse.Namespace, out: 
     # runs at once each get a working directory of their own: their logs, versions and
     # checkpoints (relative to it in the recipes' configs) must not meet
     cwd = None
-    if getattr(args, "jobs", 1) > 1:
+    if args.jobs > 1:
         cwd = out / "runs" / f"{name}.cwd"
         cwd.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -480,7 +480,7 @@ def main(args: argparse.Namespace) -> int:
         "max_epochs": max_epochs,
         "seeds": seeds,
         "devices": args.devices,
-        "accelerator": getattr(args, "accelerator", "cpu"),
+        "accelerator": args.accelerator,
         "recipe_args": args.recipe_args,
         "machine": machine_info(),
         "argv": argv,
@@ -514,7 +514,7 @@ def main(args: argparse.Namespace) -> int:
         write_json(out / "accuracy.json", {"meta": meta, "rows": rows, "summary": summarize(rows)})
         write_csv(out / "accuracy.csv", rows)
 
-    jobs = max(1, getattr(args, "jobs", 1))
+    jobs = max(1, args.jobs)
     if jobs == 1:  # one at a time: each row is saved before the next run starts
         for key, task, codec, seed in todo:
             print(f"accuracy: {task} {codec} seed {seed} ...", file=sys.stderr, flush=True)
