@@ -182,6 +182,52 @@ def test_the_rule_goes_light_on_a_fast_change_of_the_norm_and_after_a_learning_r
     assert (twin.level, twin.steps_at_level, twin._previous_norm) == (cb.level, cb.steps_at_level, cb._previous_norm)
 
 
+@pytest.mark.parametrize("lr_reference", ["previous", "peak"])
+def test_a_smooth_decay_is_a_drop_each_time_it_halves_the_peak_rate(lr_reference):
+    """A rate that rises for 4 steps, then falls by 10 % a step: no step falls by half, so with
+    ``"previous"`` it never drops; with ``"peak"`` it drops at the first step at or below half the
+    highest rate (0.1 * 0.9**7 = 0.048 at step 10), and again at half of that one (step 17)."""
+    codec = make_codec("topk", ratio=0.01)
+    optimizer = SimpleNamespace(param_groups=[{"lr": 0.0}])
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(codec=codec, root_device=torch.device("cpu")),
+        callbacks=[],
+        optimizers=[optimizer],
+        global_step=0,
+        estimated_stepping_batches=100,
+    )
+    module = _Module()
+    cb = AdaptiveCompression(eta=1e6, interval=4, warmup=0, lr_reference=lr_reference)
+    cb.setup(trainer, module, "fit")
+    cb.on_fit_start(trainer, module)
+    rates = [0.025 * (s + 1) if s < 4 else 0.1 * 0.9 ** (s - 3) for s in range(24)]
+    levels = []
+    for step, rate in enumerate(rates):
+        trainer.global_step = step
+        optimizer.param_groups[0]["lr"] = rate
+        cb.on_train_batch_start(trainer, module, None, step)
+        levels.append(codec.compression_level)
+        module.p.grad = torch.ones(3)
+        cb.on_before_optimizer_step(trainer, module, optimizer)
+    # the first two windows (steps 0-7) are light: the first has no window before it, and the
+    # second follows a change from "nothing"; the norm never changes after that
+    if lr_reference == "previous":
+        assert levels == [0.0] * 8 + [1.0] * 16, levels
+    else:
+        # the drop at step 10 makes steps 11-15 light (the window after it ends at step 16); the
+        # next, at step 17 (0.1 * 0.9**14 = 0.023 <= 0.024), makes steps 18-23 light
+        assert [s for s, r in enumerate(rates) if s and r <= 0.5 * max(rates[:s])][:1] == [10]
+        assert levels == [0.0] * 8 + [1.0] * 3 + [0.0] * 5 + [1.0] * 2 + [0.0] * 6, levels
+    twin = AdaptiveCompression(eta=1e6, interval=4, warmup=0, lr_reference=lr_reference)
+    twin.load_state_dict(cb.state_dict())
+    assert twin._last_lrs == cb._last_lrs  # the reference rate survives a resume
+
+
+def test_an_unknown_learning_rate_reference_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="lr_reference must be one of 'previous', 'peak'"):
+        CompressedDDPStrategy(codec="topk", adaptive_level={"lr_reference": "max"})
+
+
 # --------------------------------------------------------------------------------------------------
 # two gloo ranks under Lightning: one level per step for both, and a resume that goes on at the
 # level its checkpoint recorded

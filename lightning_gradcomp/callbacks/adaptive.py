@@ -22,8 +22,12 @@ Ours differs where our codecs and runs differ (our choices):
 * **a warm-up**: the first ``warmup`` of the run (default 5 %) is light whatever the norms say;
   Accordion's first decision covers its first 10 epochs (3 % of a 300-epoch CIFAR run);
 * **a drop is a fall by half**: the rate counts as dropped when one step's rate is at most
-  ``lr_drop`` (0.5) times the previous step's, so that a step decay triggers and a cosine decay,
-  whose steps are small, does not. The light setting then holds for at least one full window.
+  ``lr_drop`` (0.5) times a reference rate. With ``lr_reference="previous"`` (the default) the
+  reference is the previous step's rate, so that a step decay triggers and a cosine decay, whose
+  steps are small, does not. With ``lr_reference="peak"`` it is the highest rate since the last
+  drop, so that a smooth decay (cosine, polynomial) counts as a drop each time it has halved the
+  rate: Accordion takes the light setting whenever the rate decays, and a schedule without
+  milestones decays all the time. The light setting then holds for at least one full window.
 """
 
 from __future__ import annotations
@@ -39,7 +43,10 @@ from typing_extensions import override
 
 from lightning_gradcomp.codecs.base import AdjustableCompression, check_run_steps, run_steps
 
-__all__ = ["AdaptiveCompression", "adjustable_codecs"]
+__all__ = ["LR_REFERENCES", "AdaptiveCompression", "adjustable_codecs"]
+
+#: what ``AdaptiveCompression``'s learning-rate drop is measured against
+LR_REFERENCES = ("previous", "peak")
 
 _NO_CAP = 2**62  # a schedule length given as a fraction of the run is not capped here
 
@@ -105,8 +112,12 @@ class AdaptiveCompression(Callback):
         low_level: the level of critical regimes (default 0.0: each codec's light setting).
         high_level: the level elsewhere; ``None`` (default): the codec's level when fit starts,
             which is 1.0 (its configured setting) for every codec but ``fft``, whose level is theta.
-        lr_drop: a step's learning rate at most this fraction of the previous step's is a drop
+        lr_drop: a step's learning rate at most this fraction of the reference rate is a drop
             (default 0.5); ``0`` ignores the learning rate.
+        lr_reference: the reference rate of ``lr_drop``: ``"previous"`` (default), the previous
+            step's rate (a step decay is a drop, a smooth decay is not), or ``"peak"``, the highest
+            rate since the last drop (a smooth decay is a drop each time it has fallen to
+            ``lr_drop`` of that rate: for a cosine decay at 50 %, 67 %, 77 % ... of the run).
 
     Raises:
         ValueError: for an invalid argument; at fit start, for a codec whose level cannot change
@@ -128,6 +139,7 @@ class AdaptiveCompression(Callback):
         low_level: float = 0.0,
         high_level: float | None = None,
         lr_drop: float = 0.5,
+        lr_reference: str = "previous",
     ) -> None:
         if isinstance(eta, bool) or not (isinstance(eta, (int, float)) and math.isfinite(eta) and eta > 0):
             raise ValueError(f"eta must be a finite number > 0, got {eta!r}")
@@ -142,6 +154,9 @@ class AdaptiveCompression(Callback):
         if self.high_level is not None and self.low_level > self.high_level:
             raise ValueError(f"low_level ({low_level}) must not exceed high_level ({high_level})")
         self.lr_drop = _check_level("lr_drop", lr_drop)
+        if lr_reference not in LR_REFERENCES:
+            raise ValueError(f"lr_reference must be one of {', '.join(map(repr, LR_REFERENCES))}, got {lr_reference!r}")
+        self.lr_reference = lr_reference
         # resolved at fit start (and restored from a checkpoint)
         self._high: float | None = None
         self._interval: int | None = None
@@ -153,7 +168,7 @@ class AdaptiveCompression(Callback):
         self._window_end = 0  # the decision falls after the step that reaches this many steps
         self._previous_norm: float | None = None
         self._light_until = 0  # a learning-rate drop keeps the light level until this step
-        self._last_lrs: list[float] | None = None
+        self._last_lrs: list[float] | None = None  # the reference rates, one per parameter group
         self._seen_step = -1
         self.steps_at_level: dict[float, int] = {}
         self.decisions: list[dict[str, Any]] = []
@@ -248,10 +263,16 @@ class AdaptiveCompression(Callback):
 
     def _learning_rate_dropped(self, trainer: pl.Trainer) -> bool:
         lrs = [float(g["lr"]) for opt in trainer.optimizers for g in opt.param_groups]
-        before, self._last_lrs = self._last_lrs, lrs
+        before = self._last_lrs
         if before is None or len(before) != len(lrs) or self.lr_drop == 0:
+            self._last_lrs = lrs
             return False
-        return any(now <= self.lr_drop * then for now, then in zip(lrs, before) if then > 0)
+        dropped = any(now <= self.lr_drop * then for now, then in zip(lrs, before) if then > 0)
+        if self.lr_reference == "previous" or dropped:
+            self._last_lrs = lrs
+        else:  # "peak": the highest rate since the last drop
+            self._last_lrs = [max(now, then) for now, then in zip(lrs, before)]
+        return dropped
 
     def _decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule, steps_done: int) -> None:
         """The end of a window, ``steps_done`` steps into the run: a new level, agreed by all ranks."""
