@@ -623,6 +623,26 @@ def test_accuracy_resume_skips_done_runs_and_reruns_failed(tmp_path, monkeypatch
     assert len(json.loads((tmp_path / "acc" / "accuracy.json").read_text())["rows"]) == 1
 
 
+def test_accuracy_runs_resumed_into_one_folder_keep_each_others_rows(tmp_path, monkeypatch):
+    calls: list = []
+    out = tmp_path / "acc"
+    argv = ["accuracy", "--tasks", "cifar10", "--seeds", "0", "--max-steps", "10", "--out", str(out), "--resume"]
+    runner = _fake_runner(calls, set())
+    monkeypatch.setattr(accuracy, "run_recipe", runner)
+    assert bench_main([*argv, "--codecs", "none"]) == 0
+
+    def run_while_another_saves(task, codec, seed, args, out_dir):
+        if codec == "topk":  # a second invocation, started after this one, ends before it
+            monkeypatch.setattr(accuracy, "run_recipe", runner)
+            assert bench_main([*argv, "--codecs", "fft"]) == 0
+        return runner(task, codec, seed, args, out_dir)
+
+    monkeypatch.setattr(accuracy, "run_recipe", run_while_another_saves)
+    assert bench_main([*argv, "--codecs", "topk,iwp"]) == 0
+    rows = json.loads((out / "accuracy.json").read_text())["rows"]
+    assert sorted(r["codec"] for r in rows) == ["fft", "iwp", "none", "topk"]
+
+
 def test_accuracy_resume_keys_on_recipe_args_and_codec_options(tmp_path, monkeypatch):
     calls: list = []
     monkeypatch.setattr(accuracy, "run_recipe", _fake_runner(calls, set()))

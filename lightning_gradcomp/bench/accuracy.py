@@ -450,6 +450,16 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _merge_saved(done: dict[tuple, dict[str, Any]], path: Path) -> None:
+    """Add to ``done`` the rows of ``path`` whose configuration it lacks: those another run of
+    the benchmark with ``--resume``, into the same folder, saved after this one started."""
+    if not path.exists():
+        return
+    saved = json.loads(path.read_text())
+    for r in fill_older_rows(saved.get("rows", []), saved.get("meta", {})):
+        done.setdefault(config_key(r), r)
+
+
 def main(args: argparse.Namespace) -> int:
     from lightning_gradcomp.bench.link import default_codecs
 
@@ -509,6 +519,8 @@ def main(args: argparse.Namespace) -> int:
                 todo.append((key, task, codec, seed))
 
     def save(key: tuple, row: dict[str, Any]) -> None:
+        if args.resume:  # keep the rows that another --resume run into this folder saved meanwhile
+            _merge_saved(done, previous)
         done[key] = row
         rows = list(done.values())
         write_json(out / "accuracy.json", {"meta": meta, "rows": rows, "summary": summarize(rows)})
