@@ -142,9 +142,11 @@ class _Module:
         self.logged[name] = value
 
 
-def test_the_rule_goes_light_on_a_fast_change_of_the_norm_and_after_a_learning_rate_drop():
+def _drive(cb: AdaptiveCompression, norms: list[float], rates: list[float]) -> tuple[list[float], _Module]:
+    """Run ``cb`` over one step per entry, with that step's gradient norm and learning rate, in
+    one process; the level in use at each step, and the module it logged to."""
     codec = make_codec("topk", ratio=0.01)
-    optimizer = SimpleNamespace(param_groups=[{"lr": 0.1}])
+    optimizer = SimpleNamespace(param_groups=[{"lr": rates[0]}])
     trainer = SimpleNamespace(
         strategy=SimpleNamespace(codec=codec, root_device=torch.device("cpu")),
         callbacks=[],
@@ -153,20 +155,25 @@ def test_the_rule_goes_light_on_a_fast_change_of_the_norm_and_after_a_learning_r
         estimated_stepping_batches=100,
     )
     module = _Module()
-    cb = AdaptiveCompression(eta=0.5, interval=2, warmup=6, low_level=0.0)
     cb.setup(trainer, module, "fit")
     cb.on_fit_start(trainer, module)
-    # the mean gradient's norm per window of 2 steps: 1, 1, 1, 1, 1.2, 3, 3, 3, 3, 3
-    norms = [1, 1, 1, 1, 1, 1, 1, 1, 1.2, 1.2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3]
-    drop_at = 15  # the learning rate falls tenfold at this step
     levels = []
-    for step, norm in enumerate(norms):
+    for step, (norm, rate) in enumerate(zip(norms, rates)):
         trainer.global_step = step
-        optimizer.param_groups[0]["lr"] = 0.1 if step < drop_at else 0.01
+        optimizer.param_groups[0]["lr"] = rate
         cb.on_train_batch_start(trainer, module, None, step)
         levels.append(codec.compression_level)
         module.p.grad = torch.tensor([float(norm), 0.0, 0.0])
         cb.on_before_optimizer_step(trainer, module, optimizer)
+    return levels, module
+
+
+def test_the_rule_goes_light_on_a_fast_change_of_the_norm_and_after_a_learning_rate_drop():
+    cb = AdaptiveCompression(eta=0.5, interval=2, warmup=6, low_level=0.0)
+    # the mean gradient's norm per window of 2 steps: 1, 1, 1, 1, 1.2, 3, 3, 3, 3, 3
+    norms = [1, 1, 1, 1, 1, 1, 1, 1, 1.2, 1.2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3]
+    drop_at = 15  # the learning rate falls tenfold at this step
+    levels, module = _drive(cb, norms, [0.1 if step < drop_at else 0.01 for step in range(len(norms))])
     # steps 0-5: the warm-up (and nothing to compare with before step 2); 6-11: heavy (windows
     # 1 -> 1, then 1 -> 1.2: 20 % < eta); 12-13: light (1.2 -> 3: 150 %); 14-15: heavy (3 -> 3);
     # the drop at step 15 makes the next full window, 16-17, light; then heavy again
@@ -187,28 +194,9 @@ def test_a_smooth_decay_is_a_drop_each_time_it_halves_the_peak_rate(lr_reference
     """A rate that rises for 4 steps, then falls by 10 % a step: no step falls by half, so with
     ``"previous"`` it never drops; with ``"peak"`` it drops at the first step at or below half the
     highest rate (0.1 * 0.9**7 = 0.048 at step 10), and again at half of that one (step 17)."""
-    codec = make_codec("topk", ratio=0.01)
-    optimizer = SimpleNamespace(param_groups=[{"lr": 0.0}])
-    trainer = SimpleNamespace(
-        strategy=SimpleNamespace(codec=codec, root_device=torch.device("cpu")),
-        callbacks=[],
-        optimizers=[optimizer],
-        global_step=0,
-        estimated_stepping_batches=100,
-    )
-    module = _Module()
     cb = AdaptiveCompression(eta=1e6, interval=4, warmup=0, lr_reference=lr_reference)
-    cb.setup(trainer, module, "fit")
-    cb.on_fit_start(trainer, module)
     rates = [0.025 * (s + 1) if s < 4 else 0.1 * 0.9 ** (s - 3) for s in range(24)]
-    levels = []
-    for step, rate in enumerate(rates):
-        trainer.global_step = step
-        optimizer.param_groups[0]["lr"] = rate
-        cb.on_train_batch_start(trainer, module, None, step)
-        levels.append(codec.compression_level)
-        module.p.grad = torch.ones(3)
-        cb.on_before_optimizer_step(trainer, module, optimizer)
+    levels, _ = _drive(cb, [1.0] * len(rates), rates)
     # the first two windows (steps 0-7) are light: the first has no window before it, and the
     # second follows a change from "nothing"; the norm never changes after that
     if lr_reference == "previous":
