@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import lightning.pytorch as pl
 import torch
@@ -65,7 +65,8 @@ class CompressedDDPStrategy(DDPStrategy):
             (:class:`~lightning_gradcomp.callbacks.AdaptiveCompression`, Accordion's rule): ``False``:
             off; ``True``: on with the callback's defaults; a dict: the callback's arguments
             (``{"eta": 0.5, "interval": 50}``); ``None`` (default): on for ``codec="lgc"`` and
-            ``codec="gradiveq"`` (measured to train clearly better with it, docs/benchmarks.md) and
+            ``codec="gradiveq"`` (measured to train clearly better with it, docs/benchmarks.md;
+            ``gradiveq`` with ``lr_reference="peak"``, its measured rule) and
             ``codec="auto"`` (its accuracy budget: no heavy arm in a critical regime), off for every
             other codec. The codec must be adjustable (``topk``, ``iwp``, ``qsgd``, ``powersgd``,
             ``gradiveq``, ``fft``, ``lgc``, ``auto``). An ``AdaptiveCompression`` among the trainer's callbacks is
@@ -413,6 +414,8 @@ def _adaptive_callback(adaptive_level: bool | dict[str, Any] | None, codec: Code
     before any process starts."""
     if adaptive_level is None:
         adaptive_level = codec.adaptive_by_default
+        if isinstance(adaptive_level, Mapping):  # on, with the arguments measured for this codec
+            adaptive_level = dict(adaptive_level)
     if adaptive_level is False:
         return None
     if adaptive_level is True:

@@ -212,8 +212,9 @@ class Codec:
     #: where momentum factor masking applies
     sparse_local: ClassVar[bool] = False
     #: whether ``CompressedDDPStrategy`` attaches the level controller (``AdaptiveCompression``)
-    #: unless told otherwise (``adaptive_level=None``): for codecs measured to need it to train
-    adaptive_by_default: ClassVar[bool] = False
+    #: unless told otherwise (``adaptive_level=None``): for codecs measured to need it to train.
+    #: ``True``: with the controller's defaults; a mapping: with these of its arguments
+    adaptive_by_default: ClassVar[bool | Mapping[str, Any]] = False
     #: options (the codec's own or the harness's) that ``CompressedDDPStrategy`` sets in place of
     #: their defaults when the run's optimizer scales each coordinate's step by its own running
     #: gradient scale (Adam and its kin) and the user did not set them: for codecs measured to

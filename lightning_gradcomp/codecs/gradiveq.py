@@ -294,8 +294,10 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
     harness_defaults = {"min_numel": 4096}
     # more components in the critical phases (AdaptiveCompression): on ResNet-18, one epoch, it
     # ended 1.3 points behind plain all-reduce instead of 3.7 (seeds 0 and 1: +2.3 and +2.5), at a
-    # whole-run ratio of 34.2 instead of 49.9 (docs/benchmarks.md, "With the level controller")
-    adaptive_by_default = True
+    # whole-run ratio of 34.2 instead of 49.9; counting each halving of the cosine-decayed rate as
+    # a drop ("peak") brought it to 0.9 behind (+0.3 and +0.6 more) at 20.7, and on PSPNet/CamVid
+    # to 1.0 mIoU behind instead of 1.3 (docs/benchmarks.md, "With the level controller")
+    adaptive_by_default = {"lr_reference": "peak"}
 
     def __init__(self, **options: Any) -> None:
         # error_feedback's default depends on an option: on with the "leader" source, off with
