@@ -152,12 +152,10 @@ def _train_both_variants(rank: int, world: int) -> dict:
                 {
                     "stage": state.codec.stage(step),
                     "wire": st.wire_bytes,
-                    "raw": st.raw_wire_bytes,
                     "payload": st.payload_bytes,
                     "ratio": st.compression_ratio,
                     "grads": [g.numpy().copy() for g in grads],
                     "dense_err": max(float((g - d).abs().max()) for g, d in zip(grads, dense)),
-                    "dense_max": max(float(d.abs().max()) for d in dense),
                 }
             )
             opt.step()
@@ -198,10 +196,7 @@ def test_both_variants_stage_alike_and_decode_identically_on_two_ranks():
             # every rank decodes the same aggregate, bit for bit
             assert all((a == b).all() for a, b in zip(s0["grads"], s1["grads"])), (variant, s0["stage"])
             if s0["stage"] == 1:
-                # stage 1 is the dense average, all-reduced in bfloat16 (lgc's dense_dtype): each
-                # rank's share and their sum rounded, at most 2^-8 of each; half the fp32 bytes
-                assert 1e-7 < s0["dense_err"] <= 2**-7 * s0["dense_max"]
-                assert s0["wire"] == pytest.approx(s0["raw"] / 2, rel=1e-4)
+                assert s0["dense_err"] < 1e-6  # stage 1 is the dense average
                 continue
             # compressed layers are nonzero only on the k shared positions
             for g, n in zip(s0["grads"], sizes):
@@ -209,7 +204,7 @@ def test_both_variants_stage_alike_and_decode_identically_on_two_ranks():
                     assert (g != 0).sum() <= math.ceil(RATIO * n)
             for s in (s0, s1):
                 assert s["wire"] == pytest.approx(_expected_wire(s["stage"], variant, 2)), (variant, s["stage"])
-        raw = r0["steps"][0]["raw"]
+        raw = r0["steps"][0]["wire"]
         stage2 = [s["ratio"] for s in r0["steps"] if s["stage"] == 2]
         stage3 = [s["ratio"] for s in r0["steps"] if s["stage"] == 3]
         # after warm-up the bytes drop by about 1 / (2 ratio) (values + indices), then further
@@ -541,5 +536,4 @@ def test_density_warmup_sends_a_falling_share_then_the_learned_code_trains_on_th
         assert s["wire"] == pytest.approx(_expected_wire(2, "rar", 2))
     # the levels learned only from steps at the target density
     assert r0["sample_steps"] and min(r0["sample_steps"]) >= DW_STEPS
-    # step 0 is the dense all-reduce, in bfloat16 (lgc's dense_dtype): half of the fp32 bytes
-    assert r0["steps"][0]["wire"] > 2.5 * warm[0]["wire"] > 0
+    assert r0["steps"][0]["wire"] > 5 * warm[0]["wire"] > 0  # step 0 is the dense all-reduce

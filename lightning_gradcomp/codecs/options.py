@@ -106,15 +106,13 @@ class HarnessOptions(CodecOptions):
             reads ``v`` from the optimizers before each backward; with ``make_comm_hook`` call
             ``state.set_second_moments({name: v})`` there. Default False. Codecs that run their own
             exchange (``powersgd``, ``auto``) refuse it.
-        dense_dtype: the dtype in which what a codec that gathers its payloads sends
-            uncompressed travels: ``"float32"`` (default, exact) or ``"bfloat16"`` (half the bytes,
-            a relative rounding error of at most 2^-8 per value). On a compressed step that is the
-            layers that travel uncompressed (small ones and ``dense_layers``), each rank's share
-            rounded and summed in fp32 after the gather; in a sparse codec's message they are most
-            of the bytes (ResNet-18 with ``lgc``: 66 of 213 kB a step; PSPNet: about half). On an
-            uncompressed step (a warm-up step, ``lgc``'s dense stage 1, a bucket the fallback sends
-            plainly) it is the whole bucket, all-reduced in bfloat16 as torch's
-            ``bf16_compress_hook`` does. Codecs that send their dense layers in their own all-reduce (``gradiveq``,
+        dense_dtype: the dtype in which the layers that travel uncompressed (small ones and
+            ``dense_layers``) are gathered on a compressed step of a codec that gathers its
+            payloads: ``"float32"`` (default, exact) or ``"bfloat16"`` (half the bytes, a relative
+            rounding error of at most 2^-8 per value, summed in fp32 after the gather, as torch's
+            ``bf16_compress_hook`` sends whole buckets). In a sparse codec's message these layers
+            are most of the bytes (ResNet-18 with ``lgc``: 66 of 213 kB a step; PSPNet: about
+            half). Codecs that send their dense layers in their own all-reduce (``gradiveq``,
             ``iwp``, ``fp16``, ``powersgd``, ...) refuse anything but ``"float32"``; ``lgc``'s
             autoencoder with ``variant="rar"`` sums its latents in stage 3, and its dense layers
             travel in fp32 there.

@@ -17,13 +17,7 @@ __all__ = ["send"]
 
 
 def send(state, buf: Tensor, layers: list, flag: Tensor, step: int) -> torch.futures.Future:
-    """Plain averaging all-reduce of the bucket (the flag travels as its last element).
-
-    An fp32 bucket travels in the codec's ``dense_dtype``: with ``"bfloat16"`` each rank's share
-    ``g / N`` is rounded to bfloat16 (at most 2^-8 of it) and the all-reduce sums in bfloat16, as
-    torch's ``bf16_compress_hook`` does; every rank receives the same sum, so the ranks stay
-    identical. Only codecs that gather their payloads accept that option (``lgc`` by default:
-    its dense warm-up is most of the bytes of a short run)."""
+    """Plain averaging all-reduce of the bucket (the flag travels as its last element)."""
     codec, memory, world = state.codec, state.memory, state.world_size
     if codec.harness.momentum:
         for k, g, p in layers:
@@ -35,8 +29,7 @@ def send(state, buf: Tensor, layers: list, flag: Tensor, step: int) -> torch.fut
             g.copy_(memory.compensate(k, g.reshape(-1).float()).view_as(g))
             flushed.append(k)
     n = buf.numel()
-    dtype = getattr(torch, codec.harness.dense_dtype) if buf.dtype == torch.float32 else buf.dtype
-    msg = torch.empty(n + 1, dtype=dtype, device=buf.device)
+    msg = torch.empty(n + 1, dtype=buf.dtype, device=buf.device)
     torch.div(buf.reshape(-1), world, out=msg[:n])
     msg[n:] = flag
     record_bucket(state.stats.add, buf, world, "allreduce", msg.numel() * msg.element_size(), compressed=False)
@@ -50,7 +43,7 @@ def send(state, buf: Tensor, layers: list, flag: Tensor, step: int) -> torch.fut
         # the one host sync of the bucket: whether to keep it is decided on the host
         if float(t[n]) > 0:
             return state.settle(buf, False, flushed, all_keys)
-        buf.copy_(t[:n].view_as(buf))  # back to the bucket's dtype
+        buf.copy_(t[:n].view_as(buf))
         state.settle(buf, True, flushed, all_keys, flushed=True)
         for k, g in observe:
             codec.observe_dense(k, g.reshape(-1), step)
