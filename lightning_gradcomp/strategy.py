@@ -413,14 +413,12 @@ def _adaptive_callback(adaptive_level: bool | dict[str, Any] | None, codec: Code
     ``adaptive_by_default``, on for ``lgc``, ``gradiveq`` and ``auto``), built and checked against the codec now,
     before any process starts."""
     if adaptive_level is None:
-        adaptive_level = codec.adaptive_by_default
-        if isinstance(adaptive_level, Mapping):  # on, with the arguments measured for this codec
-            adaptive_level = dict(adaptive_level)
+        adaptive_level = codec.adaptive_by_default  # a mapping: on, with the arguments measured for this codec
     if adaptive_level is False:
         return None
     if adaptive_level is True:
         arguments: dict[str, Any] = {}
-    elif isinstance(adaptive_level, dict):
+    elif isinstance(adaptive_level, Mapping):
         arguments = dict(adaptive_level)
     else:
         raise ValueError(

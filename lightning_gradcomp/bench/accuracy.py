@@ -540,6 +540,8 @@ def main(args: argparse.Namespace) -> int:
             # the rows are written here, by this thread alone, as the runs end
             for future in as_completed(running):
                 save(running[future], future.result())
+    if args.resume:  # and those saved since this run's last save
+        _merge_saved(done, previous)
     rows = list(done.values())
     summary = summarize(rows)
     write_json(out / "accuracy.json", {"meta": meta, "rows": rows, "summary": summary})
