@@ -14,13 +14,7 @@ from torch import nn
 from lightning_gradcomp.codecs import levels
 from lightning_gradcomp.codecs.bits import codes_nbytes
 from lightning_gradcomp.codecs.lgc import LGCCodec
-from lightning_gradcomp.codecs.positions import (
-    channel_code_nbytes,
-    channel_counts,
-    choose_encoding,
-    counts_nbytes,
-    encoded_nbytes,
-)
+from lightning_gradcomp.codecs.positions import choose_encoding, encoded_nbytes
 
 RATIO = 0.1
 WARMUP, COLLECT, STAGE3 = 3, 8, 3
@@ -179,7 +173,6 @@ def _train_levels(
     refit_every: int = 0,
     stage3: int = STAGE3,
     code_denser: bool = True,
-    position_code: str = "layer",
 ) -> dict:
     """``light_collect``: stage 2 runs at compression level 0 (the controller's light level: a
     support 2.5 times denser here), stage 3 at level 1, and its last step at level 0 again."""
@@ -192,18 +185,8 @@ def _train_levels(
     model = _mlp()
     ddp = DDP(model)
     opts = dict(warmup_steps=WARMUP, ae_train_steps=COLLECT, ratio=RATIO, min_numel=1000, dense_layers="none")
-    opts.update(refit_every=refit_every, code_denser=code_denser, position_code=position_code)
+    opts.update(refit_every=refit_every, code_denser=code_denser)
     state, hook = make_comm_hook("lgc", ddp, stats_every=1, **opts)
-    buckets = []  # what every rank decoded of the leader's message: (step, bytes, supports)
-    prepare = state.codec.prepare_bucket
-
-    def recording_prepare(layers, rc):
-        prepared = prepare(layers, rc)
-        supports = {key: sh.support.clone() for key, sh in prepared.per_layer.items()}
-        buckets.append((rc.step, prepared.nbytes, supports))
-        return prepared
-
-    state.codec.prepare_bucket = recording_prepare
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     shared = torch.Generator().manual_seed(5)  # the same on both ranks: most of each batch
@@ -231,7 +214,6 @@ def _train_levels(
                 "err_sq": st.err_sq,
                 "residual_sq": residual_sq,
                 "identical": torch.equal(grads, rank0),
-                "grads": grads,
             }
         )
         opt.step()
@@ -241,7 +223,6 @@ def _train_levels(
     denser = sorted(codec._levels_denser)
     return {
         "rows": rows,
-        "buckets": buckets,
         "digest": codec.ae_digest(),
         "layers": codec.ae_layers,
         "denser": denser,
@@ -261,40 +242,6 @@ def _expected_stage3_wire(world: int) -> float:
     broadcast = positions + 4 * len(ks)  # positions and one guard flag a layer
     # the dense layers in bfloat16 (lgc's default), the non-finite flag in fp32
     return broadcast + (world - 1) * (sum(levels.message_nbytes(k, 2) for k in ks) + 2 * dense + 4)
-
-
-def _train_with_both_position_codes(rank: int, world: int) -> dict:
-    return {code: _train_levels(rank, world, position_code=code) for code in ("channel", "layer")}
-
-
-def test_the_channel_position_code_trains_bit_for_bit_as_the_layer_code_and_sends_what_its_counts_say():
-    res = run_gloo(_train_with_both_position_codes, world_size=2, timeout=300)
-    # the three weights, by size: (output channels, entries a channel)
-    shapes = {256 * 64: (256, 64), 256 * 256: (256, 256), 10 * 256: (10, 256)}
-    for rank in (0, 1):
-        by_channel, by_layer = res[rank]["channel"], res[rank]["layer"]
-        # lossless: the same supports, hence the same aggregate at every step, bit for bit
-        for a, b in zip(by_channel["rows"], by_layer["rows"]):
-            assert torch.equal(a["grads"], b["grads"])
-        assert len(by_channel["buckets"]) == len(by_layer["buckets"]) > 0
-        channel_total = layer_total = 0
-        for (step, nbytes, supports), (step_l, nbytes_l, supports_l) in zip(by_channel["buckets"], by_layer["buckets"]):
-            assert step == step_l and supports.keys() == supports_l.keys()
-            expected = nbytes_l
-            for key, support in supports.items():
-                assert torch.equal(support, supports_l[key])
-                numel = next(n for n in shapes if support.numel() == math.ceil(RATIO * n))
-                channels, per = shapes[numel]
-                counts = channel_counts(support, channels, per).tolist()
-                assert sum(counts) == support.numel()
-                layer = encoded_nbytes(choose_encoding("auto", support.numel(), numel), support.numel(), numel)
-                expected += counts_nbytes(channels, per) + min(channel_code_nbytes(counts, per), layer) - layer
-            assert nbytes == expected, step
-            channel_total, layer_total = channel_total + nbytes, layer_total + nbytes_l
-        assert channel_total != layer_total
-    # every rank decoded the leader's supports
-    for (_, _, on_0), (_, _, on_1) in zip(res[0]["channel"]["buckets"], res[1]["channel"]["buckets"]):
-        assert on_0.keys() == on_1.keys() and all(torch.equal(on_0[key], on_1[key]) for key in on_0)
 
 
 def test_levels_carry_every_layer_identically_on_two_ranks_with_exact_error_feedback():

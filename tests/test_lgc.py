@@ -28,7 +28,6 @@ OPTS = dict(
     min_numel=1000,
     max_recon_error=100.0,  # every layer uses the AE, whatever it learned from a few random batches
     dense_layers="none",  # a three-layer model: the default would keep its first and last layer dense
-    position_code="layer",  # the wire formulas below are the layer code's (the channel code: test_levels.py)
 )
 
 

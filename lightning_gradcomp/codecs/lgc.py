@@ -85,19 +85,7 @@ from lightning_gradcomp.codecs.base import (
     run_steps,
 )
 from lightning_gradcomp.codecs.lgc_autoencoder import GradientAutoencoder
-from lightning_gradcomp.codecs.positions import (
-    channel_code_nbytes,
-    channel_counts,
-    choose_encoding,
-    counts_nbytes,
-    decode_channel_positions,
-    decode_counts,
-    decode_positions,
-    encode_channel_positions,
-    encode_counts,
-    encode_positions,
-    encoded_nbytes,
-)
+from lightning_gradcomp.codecs.positions import choose_encoding, decode_positions, encode_positions, encoded_nbytes
 from lightning_gradcomp.codecs.sampling import DensityWarmup, check_density_warmup, keep_count, select_top
 from lightning_gradcomp.registry import register_codec
 
@@ -108,7 +96,6 @@ MIN_AE_LEN = 64
 CODES = ("levels", "autoencoder")
 VARIANTS = ("rar", "ps")
 SELECTIONS = ("sampled", "exact")
-POSITION_CODES = ("channel", "layer")
 #: relative magnitudes kept a layer and step for a refit of the levels (a seeded subsample)
 REFIT_VALUES = 4096
 #: the paper's stage lengths (SOFF: 200 dense rounds, 300 collecting), the caps of fractions
@@ -158,7 +145,6 @@ class LGCOptions(CodecOptions):
     refit_every: int = 100
     code_denser: bool = True
     selection: str = "sampled"
-    position_code: str = "channel"
     max_recon_error: float = 0.3
     ae_error_feedback: bool = True
     seed: int = 0
@@ -196,7 +182,6 @@ class LGCOptions(CodecOptions):
         if not isinstance(self.code_denser, bool):
             raise ValueError(f"code_denser must be True or False, got {self.code_denser!r}")
         check_choice("selection", self.selection, SELECTIONS)
-        check_choice("position_code", self.position_code, POSITION_CODES)
         max_recon_error = self.max_recon_error
         if not (isinstance(max_recon_error, (int, float)) and max_recon_error > 0):
             raise ValueError(f"max_recon_error must be a positive number, got {max_recon_error!r}")
@@ -258,12 +243,6 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
             those steps' values exactly, so that the code compresses only at the configured level.
         selection: how the leader finds the top-k: ``"sampled"`` (threshold from a random sample,
             then exact top-k among the candidates, as DGC; ~3x cheaper) or ``"exact"``.
-        position_code: how the leader's support travels: ``"channel"`` (default; each output
-            channel's count, then an Elias-Fano code per channel, where that is smaller than one
-            code over the layer; two broadcasts a bucket, since the second's size follows from
-            the counts) or ``"layer"`` (one Elias-Fano code or bitmap over the layer, one
-            broadcast). Lossless either way: only the bytes differ (docs/codecs/lgc.md, "Bytes on
-            the wire").
         max_recon_error: a layer uses the AE in stage 3 only if the held-out relative error of its
             decoded aggregate is at most this (default 0.3: at 0.7 layers whose code lost half their
             energy passed and then drifted, docs/codecs/lgc.md); other layers keep sending their values on the shared
@@ -489,33 +468,20 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         n_flags = sum(use_ae)
         n_scales = n_flags if ae else 0
         n_lat = sum(lat)
-        # the per-channel position code: each weight's output-channel counts travel in the first
-        # message (their size follows from the shape), the positions in a second one (its size
-        # follows from the counts); a layer takes whichever of the two codes is smaller
-        channels = [
-            param.shape[0] if self.options.position_code == "channel" and param.dim() >= 2 else 1
-            for _, _, param in layers
-        ]
-        by_channel = [c > 1 and 0 < k < n and n % c == 0 for c, k, n in zip(channels, sizes, numels)]
-        count_bytes = [counts_nbytes(c, n // c) if b else 0 for c, n, b in zip(channels, numels, by_channel)]
-        two_rounds = any(by_channel)
-        # the first message: for each layer that may use the learned code its scale (the AE's
+        # one byte message: for each layer that may use the learned code its scale (the AE's
         # only) and its flag (1: the code carries it this step, 0: exact values), the leader's
-        # latents (all fp32, first, so that their views stay aligned), then the channel counts;
-        # with one round, every layer's support as a position code after them. All sizes follow
-        # from k, n and the counts, so no other header travels
-        head_nbytes = 4 * (n_scales + n_flags + n_lat) + sum(count_bytes)
+        # latents (all fp32, first, so that their views stay aligned), then every layer's support
+        # as a position code; all sizes follow from k and n, so no header travels
+        nbytes = sum(code_bytes) + 4 * (n_scales + n_flags + n_lat)
+        msg = torch.empty(nbytes, dtype=torch.uint8, device=device)
         supports: list[Tensor | None] = [None] * len(layers)
-        counts: list[Tensor | None] = [None] * len(layers)
         own_codes: list[tuple[Any, Tensor] | None] = [None] * len(layers)  # the leader's codes, reused by encode
-        head_parts: list[Tensor] = []
         if is_leader:
-            scales, flags, zs = [], [], []
-            for i, ((key, x, _), k, a, n) in enumerate(zip(layers, sizes, use_ae, numels)):
+            parts, scales, flags, zs = [], [], [], []
+            for i, ((key, x, _), k, a, e, n) in enumerate(zip(layers, sizes, use_ae, encodings, numels)):
                 idx = self._select(x, k, step)
                 supports[i] = idx
-                if by_channel[i]:
-                    counts[i] = channel_counts(idx, channels[i], n // channels[i])
+                parts.append(encode_positions(idx, n, e))
                 if a and not ae:
                     # the run-time guard: the leader's own values through the code, this step
                     v = x[idx]
@@ -535,54 +501,21 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
                             zs.append(z.reshape(-1))
                             rec = s * self.ae.decode(z, k, self._innovation(v / s, n)[1].unsqueeze(0))[0]
                     flags.append(self._within_gate(v, rec))
-            head_parts = [torch.stack(scales).to(torch.float32).view(torch.uint8)] if scales else []
-            head_parts += [torch.stack(flags).to(torch.float32).view(torch.uint8)] if flags else []
-            head_parts += [z.to(torch.float32).view(torch.uint8) for z in zs]
-            head_parts += [encode_counts(c, n // ch) for c, ch, n in zip(counts, channels, numels) if c is not None]
-        if two_rounds:
-            head = torch.empty(head_nbytes, dtype=torch.uint8, device=device)
-            if is_leader:
-                torch.cat(head_parts, out=head)
-            self.context.broadcast(head, leader)
-            off_c = 4 * (n_scales + n_flags + n_lat)
-            for i, (b, ch, n) in enumerate(zip(count_bytes, channels, numels)):
-                if by_channel[i]:
-                    if counts[i] is None:
-                        counts[i] = decode_counts(head[off_c : off_c + b], ch, n // ch)
-                    off_c += b
-            # a host read of the counts (every rank reads the same): the second message's size
-            channel_counts_host = torch.cat([c for c in counts if c is not None]).tolist()
-            at = 0
-            for i, (ch, k, n) in enumerate(zip(channels, sizes, numels)):
-                if by_channel[i]:
-                    per_channel = channel_code_nbytes(channel_counts_host[at : at + ch], n // ch)
-                    at += ch
-                    if per_channel < code_bytes[i]:
-                        encodings[i], code_bytes[i] = "channel", per_channel
-            positions = torch.empty(sum(code_bytes), dtype=torch.uint8, device=device)
-            if is_leader:
-                parts = [self._position_code(supports[i], counts[i], encodings[i], n) for i, n in enumerate(numels)]
-                if parts:
-                    torch.cat(parts, out=positions)
-            if positions.numel():
-                self.context.broadcast(positions, leader)
-        else:
-            msg = torch.empty(head_nbytes + sum(code_bytes), dtype=torch.uint8, device=device)
-            if is_leader:
-                parts = head_parts + [encode_positions(idx, n, e) for idx, n, e in zip(supports, numels, encodings)]
-                if parts:
-                    torch.cat(parts, out=msg)
-            if msg.numel():  # a no-op on one rank
-                self.context.broadcast(msg, leader)
-            head, positions = msg[:head_nbytes], msg[head_nbytes:]
-        nbytes = head_nbytes + sum(code_bytes)
-        scale_values = head[: 4 * n_scales].view(torch.float32)
-        # the one host read of this bucket in stage 3 (with the counts' above): which layers
-        # travel as codes decides the payload's shape (every rank reads the same flags)
-        flag_bytes = head[4 * n_scales : 4 * (n_scales + n_flags)]
+            head = [torch.stack(scales).to(torch.float32).view(torch.uint8)] if scales else []
+            head += [torch.stack(flags).to(torch.float32).view(torch.uint8)] if flags else []
+            head += [z.to(torch.float32).view(torch.uint8) for z in zs]
+            parts = head + parts
+            if parts:
+                torch.cat(parts, out=msg)
+        if nbytes:  # a no-op on one rank
+            self.context.broadcast(msg, leader)
+        scale_values = msg[: 4 * n_scales].view(torch.float32)
+        # the one host read of this bucket in stage 3: which layers travel as codes decides the
+        # payload's shape (every rank reads the same flags)
+        flag_bytes = msg[4 * n_scales : 4 * (n_scales + n_flags)]
         flag_values = flag_bytes.view(torch.float32).tolist() if n_flags else []
-        latents = head[4 * (n_scales + n_flags) : 4 * (n_scales + n_flags + n_lat)].view(torch.float32)
-        off_b, off_f, off_z = 0, 0, 0
+        latents = msg[4 * (n_scales + n_flags) : 4 * (n_scales + n_flags + n_lat)].view(torch.float32)
+        off_b, off_f, off_z = 4 * (n_scales + n_flags + n_lat), 0, 0
         shared: dict[str, _Shared] = {}
         if step != self._ae_count_step:  # counted over the buckets of one step
             self._ae_layers_used, self._values_used, self._ae_count_step = (0, 0), (0, 0, 0), step
@@ -591,11 +524,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         ):
             idx = supports[i]
             if idx is None:
-                code = positions[off_b : off_b + b]
-                if e == "channel":
-                    idx = decode_channel_positions(code, counts[i], n // channels[i])
-                else:
-                    idx = decode_positions(code, k, n, e)
+                idx = decode_positions(msg[off_b : off_b + b], k, n, e)
             off_b += b
             s, z, coded = 1.0, None, False
             if a:
@@ -619,13 +548,6 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
             shared[key] = _Shared(idx, s, z, coded, own_codes[i])
         self.last_timing["prepare_s"] = time.perf_counter() - t0
         return Prepared(nbytes, shared)
-
-    @staticmethod
-    def _position_code(idx: Tensor, counts: Tensor | None, encoding: str, numel: int) -> Tensor:
-        """The leader's support as ``encoding``: per channel, or one code over the layer."""
-        if encoding == "channel":
-            return encode_channel_positions(idx, counts, numel // counts.numel())
-        return encode_positions(idx, numel, encoding)
 
     def _code_nbytes(self, k: int, numel: int) -> int:
         """Bytes a rank sends for a layer of ``k`` support values that the learned code carries."""
