@@ -188,8 +188,17 @@ def test_lgc_beside_adam_keeps_a_denser_support_unless_told_otherwise():
     codec = _strategy_beside("adamw", codec=make_codec("lgc", ratio=0.02))
     assert codec.options.ratio == 0.02
     # codecs without such defaults are left alone
+    codec = _strategy_beside("adamw", codec="fft")
+    assert (codec.options.theta, codec.harness.dense_dtype, codec.harness.lr_scaled_feedback) == (0.9, "float32", False)
+
+
+def test_topk_keeps_its_residual_in_update_units_beside_sgd_only_unless_told_otherwise():
+    assert _strategy_beside("sgd", codec="topk").harness.lr_scaled_feedback is True
     codec = _strategy_beside("adamw", codec="topk")
-    assert (codec.options.ratio, codec.harness.dense_dtype) == (0.01, "float32")
+    assert codec.harness.lr_scaled_feedback is False and codec.config()["lr_scaled_feedback"] is False
+    assert codec.options.ratio == 0.01 and codec.harness.dense_dtype == "float32"  # nothing else changes
+    codec = _strategy_beside("adamw", codec="topk", codec_options={"lr_scaled_feedback": True})
+    assert codec.harness.lr_scaled_feedback is True  # what the user set stays
 
 
 def test_adopted_defaults_are_checked_like_given_ones():
