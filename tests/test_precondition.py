@@ -188,8 +188,8 @@ def test_lgc_beside_adam_keeps_a_denser_support_unless_told_otherwise():
     codec = _strategy_beside("adamw", codec=make_codec("lgc", ratio=0.02))
     assert codec.options.ratio == 0.02
     # codecs without such defaults are left alone
-    codec = _strategy_beside("adamw", codec="fft")
-    assert (codec.options.theta, codec.harness.dense_dtype, codec.harness.lr_scaled_feedback) == (0.9, "float32", False)
+    codec = _strategy_beside("adamw", codec="iwp")
+    assert codec.config() == make_codec("iwp").config()
 
 
 def test_topk_keeps_its_residual_in_update_units_beside_sgd_only_unless_told_otherwise():
