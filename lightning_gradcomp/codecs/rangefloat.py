@@ -110,7 +110,9 @@ def rf_quantize(
         normal = ai + torch.randint(0, 1 << shift, ai.shape, generator=generator, device=ai.device, dtype=torch.int32)
     normal = normal.bitwise_right_shift_(shift).sub_((126 + b) << m)
     # subnormals (|v| < 2^b): multiples of 2^(b-m)
-    sub = ai.view(torch.float32) * 2.0 ** (m - b)
+    # 2^(m - b) leaves fp32's range when b is near -126 (inf from 2^128 on): scale in two exact halves
+    half = (m - b) // 2
+    sub = ai.view(torch.float32) * 2.0**half * 2.0 ** (m - b - half)
     if rounding == "nearest":
         sub = sub.round_()
     else:
@@ -172,7 +174,8 @@ def _rf_quantize_device(
         noise = torch.randint(0, 1 << 23, ai.shape, generator=generator, device=ai.device, dtype=torch.int32)
         normal = ai + noise.bitwise_right_shift_(m.to(torch.int32))
     normal = normal.bitwise_right_shift_(shift.to(torch.int32)).sub_(((126 + b) * torch.pow(2, m)).to(torch.int32))
-    sub = ai.view(torch.float32) * torch.exp2((m - b).to(torch.float64)).to(torch.float32)
+    half = torch.div(m - b, 2, rounding_mode="floor")  # two exact halves, as on the host
+    sub = ai.view(torch.float32) * torch.exp2(half.to(torch.float32)) * torch.exp2((m - b - half).to(torch.float32))
     if rounding == "nearest":
         sub = sub.round_()
     else:
