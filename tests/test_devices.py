@@ -71,6 +71,7 @@ CASES = [
     torch.randn(777) * 1e30,
     torch.zeros(10),
     torch.tensor([0.0, 1e-45, 3e-44]),
+    torch.tensor([9.09817e-40, -3e-39, 1.1e-38]),  # fp32 subnormals: the range at its floor
     torch.tensor([float("inf"), 1.0]),
     torch.randn(4000) * torch.logspace(-20, 20, 4000),
     torch.tensor([-2.0, 2.0]),
