@@ -711,14 +711,15 @@ def test_extract_history_orders_steps_and_keeps_the_last_point_of_a_step():
         "history": [
             {"step": 100, "metric": 0.4},
             {"step": 50, "metric": 0.3},
-            {"step": 100, "metric": 0.45, "wall_s": 12.5},
+            {"step": 100, "metric": 0.45, "wall_s": 12.5, "bytes_sent": 3e6, "raw_bytes": 4e8, "other": 1},
             {"step": "x", "metric": 1.0},
             {"metric": 0.2},
         ]
     }
     assert accuracy.extract_history(data) == [
         {"step": 50, "metric": 0.3},
-        {"step": 100, "metric": 0.45, "wall_s": 12.5},  # the recipe's seconds since training started, kept
+        # the recipe's seconds since training started and the bytes sent so far, kept
+        {"step": 100, "metric": 0.45, "wall_s": 12.5, "bytes_sent": 3e6, "raw_bytes": 4e8},
     ]
     assert accuracy.extract_history({"metrics": {"val/acc": 0.5}}) == []
 
@@ -1391,3 +1392,33 @@ def test_shaped_starts_each_rank_like_a_node_and_refuses_bad_arguments(capsys):
     assert "give the recipe after --" in capsys.readouterr().err
     assert bench_main(["shaped", "--change-rate", "10mbit", "--out", "/tmp/out", "--", "r.py"]) == 2
     assert "go together" in capsys.readouterr().err
+
+
+def test_tta_charges_the_bytes_a_run_recorded_up_to_the_step_not_the_whole_run():
+    """A run whose light steps came after the target pays nothing for them; without the recorded
+    bytes the whole run's extra bytes are charged to its first steps (the estimate of older runs)."""
+    acc, link_data = _tta_inputs()
+    for row in acc["rows"]:
+        if row["codec"] == "lgc":
+            # steady ratio 100; 150 steps sent 150/10 gradients' worth in all, but up to step 50
+            # only 50/100 + 2 dense steps' worth (the warm-up), all of it afterwards
+            row.update(compression_ratio=10.0, compression_ratio_last=100.0, steps=150)
+            raw = 1e6  # a gradient's fp32 all-reduce, per step
+            sent = {50: (50 / 100 + 2 * (1 - 1 / 100)) * raw, 100: 8 * raw, 150: 15 * raw}
+            for p in row["history"]:
+                p.update(bytes_sent=sent[p["step"]], raw_bytes=p["step"] * raw)
+    # lgc reaches 0.5 at step 50 (both seeds); the target 0.5 is given
+    exact = {(r["codec"], r["rate"]): r for r in tta.compute(acc, link_data, ["100mbit"], target=0.5)["rows"]}
+    lgc = exact["lgc", "100mbit"]
+    assert lgc["steps_to_target"] == 50 and lgc["dense_steps"] == pytest.approx(2.0)
+    assert lgc["tta_s"] == pytest.approx(50 * 1.25 + 2 * (4.0 - 1.25))
+    # the step to none's final metric (0.55): 150, all of the run's extra bytes by then
+    whole = (150 / 10 - 150 / 100) / (1 - 1 / 100)
+    assert lgc["steps_to_none_final"] == 150
+    assert lgc["tta_none_final_s"] == pytest.approx(150 * 1.25 + whole * (4.0 - 1.25))
+    # one run without the bytes: the whole-run estimate for every step
+    for p in acc["rows"][7]["history"]:
+        del p["bytes_sent"]
+    lgc = {(r["codec"], r["rate"]): r for r in tta.compute(acc, link_data, ["100mbit"], target=0.5)["rows"]}
+    assert lgc["lgc", "100mbit"]["dense_steps"] == pytest.approx(whole)
+    assert lgc["lgc", "100mbit"]["tta_s"] == pytest.approx(50 * 1.25 + whole * (4.0 - 1.25))

@@ -224,6 +224,8 @@ def test_pspnet_camvid_with_the_codec_switched_on_the_command_line(runs):
     # steps, so the report validated its last step (and only that one)
     (point,) = r["json"]["history"]
     assert point["step"] == 3 and point["metric"] == pytest.approx(m["val/miou"]) and point["wall_s"] > 0
+    # the bytes sent by then (the whole run's, at its last step): time to accuracy charges them
+    assert point["bytes_sent"] == r["json"]["bytes_sent"] > 0 and point["raw_bytes"] == r["json"]["raw_bytes"]
     ckpts = list((r["tb"] / "pspnet_camvid").glob("version_0/checkpoints/last.ckpt"))
     assert ckpts, "ModelCheckpoint wrote no last.ckpt"
 

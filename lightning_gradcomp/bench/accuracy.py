@@ -175,14 +175,16 @@ def extract_metrics(data: dict[str, Any], task: str, metric_key: str | None = No
 
 def extract_history(data: dict[str, Any]) -> list[dict[str, Any]]:
     """The recipe's validation history, ``[{"step": int, "metric": float}, ...]`` by step, with
-    ``wall_s`` (seconds since training started) where the recipe recorded it; of two points at one
-    step the later one counts. Empty when the recipe records none."""
+    ``wall_s`` (seconds since training started) and ``bytes_sent`` / ``raw_bytes`` (this rank's
+    bytes so far, and what fp32 all-reduce would have sent) where the recipe recorded them; of two
+    points at one step the later one counts. Empty when the recipe records none."""
     points: dict[int, dict[str, Any]] = {}
     for p in data.get("history") or []:
         if isinstance(p, dict) and all(isinstance(p.get(k), (int, float)) for k in ("step", "metric")):
             point: dict[str, Any] = {"step": int(p["step"]), "metric": float(p["metric"])}
-            if isinstance(p.get("wall_s"), (int, float)):
-                point["wall_s"] = float(p["wall_s"])
+            for key in ("wall_s", "bytes_sent", "raw_bytes"):
+                if isinstance(p.get(key), (int, float)):
+                    point[key] = float(p[key])
             points[point["step"]] = point
     return [points[k] for k in sorted(points)]
 

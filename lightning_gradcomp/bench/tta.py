@@ -21,7 +21,9 @@ each codec and rate:
   steady compression alone would send ``T / r``, which is ``D = (T/R - T/r) / (1 - 1/r)``
   dense-equivalent steps, charged to the first ``D`` steps. A run whose compression level changed
   (``AdaptiveCompression``) may have ended on a light step, so for it ``r`` is the ratio of the
-  steps the link timed: its light steps are charged as dense steps too.
+  steps the link timed: its light steps are charged as dense steps too. Runs whose validation
+  history records the bytes sent so far (the recipes do now) are charged exactly what they sent
+  up to the step in question, wherever in the run their light steps fell (:func:`dense_steps_to`).
 
 The two measurements need not have run the same model or batch: the link rows here are ResNet-18
 with 32 images per rank, while an accuracy run may use ``--model resnet10`` or another
@@ -47,6 +49,7 @@ __all__ = [
     "columns",
     "compute",
     "dense_equivalent_steps",
+    "dense_steps_to",
     "seconds_to_step",
     "link_step_times",
     "main",
@@ -163,6 +166,27 @@ def dense_equivalent_steps(rows: list[dict[str, Any]], steady_ratio: float | Non
             continue
         found.append(max(0.0, (steps / whole - steps / steady) / (1.0 - 1.0 / steady)))
     return sum(found) / len(found) if found else 0.0
+
+
+def dense_steps_to(rows: list[dict[str, Any]], step: int, steady_ratio: float | None = None) -> float | None:
+    """Dense-equivalent steps a codec sent in its first ``step`` steps, from the bytes its runs
+    recorded at that validation step (mean over the runs): ``D = (step B/A - step/r) / (1 - 1/r)``
+    with ``B`` the bytes sent so far, ``A`` what fp32 all-reduce would have sent, and ``r`` the
+    steady ratio as in :func:`dense_equivalent_steps`. Exact where a run's light steps came late
+    (the whole-run estimate charges them all to the first steps). ``None`` when a run lacks the
+    bytes at that step (runs made before the recipes recorded them)."""
+    found = []
+    for r in rows:
+        point = next((p for p in r.get("history") or [] if p.get("step") == step), None)
+        steady = steady_ratio if steady_ratio and level_changed(r) else r.get("compression_ratio_last")
+        if point is None or not point.get("raw_bytes") or point.get("bytes_sent") is None:
+            return None
+        if not steady or steady <= 1.0 + 1e-6:
+            found.append(0.0)
+            continue
+        sent = step * point["bytes_sent"] / point["raw_bytes"]  # gradients' worth sent so far
+        found.append(max(0.0, (sent - step / steady) / (1.0 - 1.0 / steady)))
+    return sum(found) / len(found) if found else None
 
 
 def accuracy_curves(rows: list[dict[str, Any]], task: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -313,16 +337,25 @@ def compute(
             if borrowed:  # another configuration of a codec that sends the same bytes (an option
                 s = step_s[base]  # such as momentum correction): its step time, said in the note
             row = timed.get(base if borrowed else codec) or {}
+            timed_ratio = None
             if any(level_changed(r) for r in c["runs"]) and row.get("compression_ratio"):
                 # the level changed over the run: the bytes beyond those of the timed steps are
                 # charged as dense steps, whatever level the run's last step had
-                c = {**c, "dense_steps": dense_equivalent_steps(c["runs"], row["compression_ratio"])}
+                timed_ratio = row["compression_ratio"]
+                c = {**c, "dense_steps": dense_equivalent_steps(c["runs"], timed_ratio)}
+
+            def dense_to(n: int, c: dict[str, Any] = c, timed_ratio: float | None = timed_ratio) -> float:
+                # from the bytes recorded at step n where the runs have them, else the whole run's
+                exact = dense_steps_to(c["runs"], n, timed_ratio)
+                return c["dense_steps"] if exact is None else exact
+
             tta = None
             note = ""
+            dense_steps = c["dense_steps"] if steps is None else dense_to(steps)
             if steps is not None and s is not None:
-                tta = seconds_to_step(steps, s, c["dense_steps"], dense_s)
-                if c["dense_steps"] > 0 and dense_s is None:
-                    dense = min(float(steps), c["dense_steps"])
+                tta = seconds_to_step(steps, s, dense_steps, dense_s)
+                if dense_steps > 0 and dense_s is None:
+                    dense = min(float(steps), dense_steps)
                     note = f"{dense:.0f} dense steps not charged (no link row for none at {rate})"
             times[codec] = tta
             if not c["curve"]:
@@ -334,7 +367,7 @@ def compute(
             reach: dict[str, Any] = {}
             for key, level in levels.items():  # none's final metric and 99 % of it, beside the target
                 n = steps_to_target(c["curve"], level)
-                t = seconds_to_step(n, s, c["dense_steps"], dense_s) if n is not None and s is not None else None
+                t = seconds_to_step(n, s, dense_to(n), dense_s) if n is not None and s is not None else None
                 reach |= {f"steps_to_{key}": n, f"tta_{key}_s": t, f"{key}_text": reach_text(n, t, bool(c["curve"]))}
             rate_rows.append(
                 {
@@ -348,7 +381,7 @@ def compute(
                     "reached": steps is not None,
                     "steps_text": str(steps) if steps is not None else ("not reached" if c["curve"] else "-"),
                     "budget_steps": c["steps"],
-                    "dense_steps": c["dense_steps"],
+                    "dense_steps": dense_steps,
                     "step_s": s,
                     "tta_s": tta,
                     **reach,
