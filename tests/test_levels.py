@@ -423,3 +423,21 @@ def test_code_denser_false_sends_the_light_steps_exactly():
             assert row["identical"]
             assert row["err_sq"] == pytest.approx(row["residual_sq"], rel=1e-6)
         assert r["values_run"] == {"configured": (2 * support, 2 * support), "denser": (0, denser)}
+
+
+def test_the_report_does_not_blame_the_gate_when_the_layers_that_passed_it_fell_back():
+    """A code that passed the gate, on a run whose buckets all went back to plain all-reduce (the
+    strategy's fallback), carried nothing at the last step: the report says why, and does not
+    claim an error above the threshold that the code was below."""
+    from lightning_gradcomp.callbacks import AutoencoderWarmup
+
+    c = LGCCodec(warmup_steps=2, ae_train_steps=3)
+    c._ae_state.update(trained=True, recon_error=0.17, loss=0.1)
+    c._ae_layers = {"w": 0.17}
+    line = AutoencoderWarmup.summary(c, 40, fell_back=True)
+    assert "passed the gate on 1 layer(s) at the switch (held-out error 0.17)" in line
+    assert "went back to plain all-reduce" in line and "> max_recon_error" not in line
+    # a code that passed no layer is reported as before
+    c._ae_layers = {}
+    line = AutoencoderWarmup.summary(c, 40)
+    assert "no layer passed the gate (held-out error of the 2-bit levels 0.17 > max_recon_error 0.3)" in line

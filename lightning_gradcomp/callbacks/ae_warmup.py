@@ -65,7 +65,7 @@ class AutoencoderWarmup(ScheduleOverride):
         codec, state = self._codec(trainer), getattr(trainer.strategy, "hook_state", None)
         if codec is None or state is None or not trainer.is_global_zero:
             return
-        print(self.summary(codec, state.step), flush=True)
+        print(self.summary(codec, state.step, fell_back=bool(state.fallback.fallback)), flush=True)
 
     @staticmethod
     def _over_the_run(codec: Any) -> str:
@@ -79,8 +79,9 @@ class AutoencoderWarmup(ScheduleOverride):
         return "; over the run it carried " + " and ".join(parts) if parts else ""
 
     @staticmethod
-    def summary(codec: Any, steps: int) -> str:
-        """One line: which stage the run reached and what the learned code carried."""
+    def summary(codec: Any, steps: int, fell_back: bool = False) -> str:
+        """One line: which stage the run reached and what the learned code carried (``fell_back``:
+        some gradient buckets went back to plain all-reduce, the strategy's ``fallback``)."""
         if steps == 0 or codec.stage(steps - 1) == 1:
             return f"lgc: still in the dense warm-up after {steps} steps (warmup_steps ends at step {codec.warmup_end})"
         if not codec.ae_trained:
@@ -114,6 +115,16 @@ class AutoencoderWarmup(ScheduleOverride):
                 f"(the {name} reconstructed the leader's values with an error above max_recon_error "
                 f"{codec.options.max_recon_error})"
             ) + AutoencoderWarmup._over_the_run(codec)
+        elif codec.ae_layers:  # layers passed the gate, but none went through lgc at the last step
+            how = (
+                f"the {name} passed the gate on {len(codec.ae_layers)} layer(s) at the switch (held-out error "
+                f"{codec.ae_recon_error:.2f}), but no compressed layer went through lgc at the last step"
+            )
+            if fell_back:
+                how += (
+                    ": their gradient buckets went back to plain all-reduce, which the first steps timed faster "
+                    "on this link (fallback=False always compresses)"
+                )
         elif math.isfinite(codec.ae_recon_error):
             how = (
                 f"no layer passed the gate (held-out error of the {name} {codec.ae_recon_error:.2f} > "
