@@ -107,7 +107,7 @@ class CompressionReport(Callback):
         point = {"step": int(trainer.global_step), "metric": float(trainer.callback_metrics[self.monitor])}
         if self._started is not None:  # wall-clock seconds since fit started: time to accuracy, measured
             point["wall_s"] = time.perf_counter() - self._started
-        state = getattr(trainer.strategy, "hook_state", None)
+        state = getattr(getattr(trainer, "strategy", None), "hook_state", None)
         if state is not None:  # bytes sent so far, and what fp32 all-reduce would have sent: time to
             totals = state.stats.totals  # accuracy on another link, charging each step what it sent
             point["bytes_sent"], point["raw_bytes"] = float(totals.wire_bytes), float(totals.raw_wire_bytes)
