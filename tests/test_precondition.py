@@ -181,7 +181,7 @@ def test_lgc_beside_adam_keeps_a_denser_support_unless_told_otherwise():
     assert (codec.options.ratio, codec.harness.dense_dtype) == (0.03, "bfloat16")
     assert codec.config()["ratio"] == 0.03 and codec.config()["dense_dtype"] == "bfloat16"
     codec = _strategy_beside("sgd", codec="lgc")  # lgc's dense layers go in bfloat16 with any optimizer
-    assert (codec.options.ratio, codec.harness.dense_dtype) == (0.01, "bfloat16")
+    assert (codec.options.ratio, codec.harness.dense_dtype) == (0.0075, "bfloat16")
     # what the user set stays; a codec built by the user is kept as it is
     codec = _strategy_beside("adamw", codec="lgc", codec_options={"ratio": 0.02, "dense_dtype": "float32"})
     assert (codec.options.ratio, codec.harness.dense_dtype) == (0.02, "float32")
@@ -210,6 +210,6 @@ def test_adopted_defaults_are_checked_like_given_ones():
     lgc = make_codec("lgc", dense_dtype="float32")
     with pytest.raises(ValueError, match="ratio must be in"):
         lgc.adopt_defaults({"ratio": 2.0})
-    assert lgc.config()["ratio"] == 0.01  # a refused value changes nothing
+    assert lgc.config()["ratio"] == 0.0075  # a refused value changes nothing
     lgc.adopt_defaults({"ratio": 0.03, "dense_dtype": "bfloat16"})
     assert lgc.config()["ratio"] == 0.03 and lgc.config()["dense_dtype"] == "bfloat16"

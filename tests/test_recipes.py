@@ -318,7 +318,7 @@ def test_tensorboard_tags_and_hyperparameters(runs):
     # the HPARAMS tab: the final accuracy as hp/val/acc, beside the codec and its options
     assert s["hp/val/acc"][-1][1] == pytest.approx(runs["digits"]["json"]["metrics"]["val/acc"])
     hparams = session_hparams(run_dir)
-    assert hparams["codec"] == "lgc" and hparams["codec_options/ratio"] == pytest.approx(0.01)
+    assert hparams["codec"] == "lgc" and hparams["codec_options/ratio"] == pytest.approx(0.0075)
     assert hparams["model/lr"] == pytest.approx(0.1) and hparams["data/batch_size"] == pytest.approx(32)
 
 

@@ -145,6 +145,7 @@ _OPTION_CHANGES = {
     ("lgc", "density_warmup_start"): ("<absent>", 0.25),
     ("lgc", "refit_every"): ("<absent>", 100),  # the levels fitted again in stage 3
     ("lgc", "code_denser"): ("<absent>", True),  # the code also carries the controller's denser support
+    ("lgc", "ratio"): (0.01, 0.0075),  # a steady ratio of 300 on ResNet-18 (docs/codecs/lgc.md)
     ("iwp", "last_encodings"): ([], "<absent>"),  # introspection of the last bucket, now plain attributes
     ("iwp", "last_index_bytes"): (0, "<absent>"),
     ("iwp", "last_root"): (-1, "<absent>"),

@@ -275,8 +275,8 @@ STEPS, CUT = 16, 7
 PREVIOUS = HERE / "data" / "checkpoints_afb9483"
 PREVIOUS_CODECS = ["topk", "fft", "gradiveq", "lgc", "powersgd"]
 # defaults changed since those checkpoints were written: the runs compared with them take the
-# values the checkpoints were written with (lgc's dense layers then travelled in fp32)
-PREVIOUS_OPTIONS = {"lgc": {"dense_dtype": "float32"}}
+# values the checkpoints were written with (lgc: its dense layers in fp32, a 1 % support)
+PREVIOUS_OPTIONS = {"lgc": {"dense_dtype": "float32", "ratio": 0.01}}
 
 
 def _previous_options(codec: str) -> dict:

@@ -132,7 +132,7 @@ class LGCOptions(CodecOptions):
     variant: str = "rar"
     warmup_steps: int | float = 0.05
     ae_train_steps: int | float = 0.1
-    ratio: float = 1e-2
+    ratio: float = 7.5e-3
     density_warmup: int | float = 0
     density_warmup_start: float = 0.25
     innovation_ratio: float = 1e-5
@@ -218,10 +218,12 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
             warm-up").
         density_warmup_start: the support's fraction at the start of the density warm-up
             (default 0.25, DGC's).
-        ratio: fraction of each layer's entries on the shared support (default 1e-2; SOFF's
-            rho_g is 1e-3, which trained clearly worse than plain all-reduce here, see
-            docs/codecs/lgc.md). The support travels as an Elias-Fano code (about
-            ``2 + log2(1/ratio)`` bits a position), so the steady ratio stays above 100.
+        ratio: fraction of each layer's entries on the shared support (default 7.5e-3: a
+            ResNet-18 step then sends 300 times fewer bytes than fp32 all-reduce, and its
+            accuracy over one epoch was 0.3 points below that of 1e-2; SOFF's rho_g is 1e-3,
+            which trained clearly worse than plain all-reduce here, see docs/codecs/lgc.md).
+            The support travels as an Elias-Fano code (about ``2 + log2(1/ratio)`` bits a
+            position), so the steady ratio stays above 100.
         innovation_ratio: ``"ps"`` only: fraction of each layer's entries sent as innovation
             (SOFF's rho_i: 1e-5); must be below ``ratio``.
         latent_channels: AE code channels; the code is ``latent_channels / 16`` of the kept values
