@@ -151,6 +151,19 @@ def level_changed(row: dict[str, Any]) -> bool:
     return len((row.get("raw") or {}).get("level_steps") or row.get("level_steps") or {}) > 1
 
 
+def _steady_ratio(row: dict[str, Any], steady_ratio: float | None) -> float | None:
+    """A run's steady ratio: its last step's, or ``steady_ratio`` (the timed steps') for a run
+    whose level changed, when given. ``None`` when unknown or no compression."""
+    steady = steady_ratio if steady_ratio and level_changed(row) else row.get("compression_ratio_last")
+    return steady if steady and steady > 1.0 + 1e-6 else None
+
+
+def _beyond_steady(sent: float, steps: float, steady: float) -> float:
+    """Dense-equivalent steps in ``sent`` gradients' worth over ``steps`` steps beyond what steady
+    compression at ratio ``steady`` sends: ``D = (sent - steps/r) / (1 - 1/r)``."""
+    return max(0.0, (sent - steps / steady) / (1.0 - 1.0 / steady))
+
+
 def dense_equivalent_steps(rows: list[dict[str, Any]], steady_ratio: float | None = None) -> float:
     """Steps' worth of uncompressed gradient a codec sent beyond its steady compression (its
     warm-ups, its light steps), from the runs' whole-run and steady ratios (mean over the runs; 0
@@ -159,12 +172,9 @@ def dense_equivalent_steps(rows: list[dict[str, Any]], steady_ratio: float | Non
     the link timed, when given."""
     found = []
     for r in rows:
-        steps, whole, steady = r.get("steps"), r.get("compression_ratio"), r.get("compression_ratio_last")
-        if steady_ratio and level_changed(r):
-            steady = steady_ratio
-        if not steps or not whole or not steady or steady <= 1.0 + 1e-6:
-            continue
-        found.append(max(0.0, (steps / whole - steps / steady) / (1.0 - 1.0 / steady)))
+        steps, whole, steady = r.get("steps"), r.get("compression_ratio"), _steady_ratio(r, steady_ratio)
+        if steps and whole and steady:
+            found.append(_beyond_steady(steps / whole, steps, steady))
     return sum(found) / len(found) if found else 0.0
 
 
@@ -178,15 +188,19 @@ def dense_steps_to(rows: list[dict[str, Any]], step: int, steady_ratio: float | 
     found = []
     for r in rows:
         point = next((p for p in r.get("history") or [] if p.get("step") == step), None)
-        steady = steady_ratio if steady_ratio and level_changed(r) else r.get("compression_ratio_last")
         if point is None or not point.get("raw_bytes") or point.get("bytes_sent") is None:
             return None
-        if not steady or steady <= 1.0 + 1e-6:
-            found.append(0.0)
-            continue
+        steady = _steady_ratio(r, steady_ratio)
         sent = step * point["bytes_sent"] / point["raw_bytes"]  # gradients' worth sent so far
-        found.append(max(0.0, (sent - step / steady) / (1.0 - 1.0 / steady)))
+        found.append(_beyond_steady(sent, step, steady) if steady else 0.0)
     return sum(found) / len(found) if found else None
+
+
+def _dense_steps_at(codec: dict[str, Any], step: int, steady_ratio: float | None) -> float:
+    """A codec's dense-equivalent steps in its first ``step`` steps: from the bytes its runs
+    recorded there (:func:`dense_steps_to`), else the whole run's estimate (``codec["dense_steps"]``)."""
+    exact = dense_steps_to(codec["runs"], step, steady_ratio)
+    return codec["dense_steps"] if exact is None else exact
 
 
 def accuracy_curves(rows: list[dict[str, Any]], task: str) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -343,15 +357,9 @@ def compute(
                 # charged as dense steps, whatever level the run's last step had
                 timed_ratio = row["compression_ratio"]
                 c = {**c, "dense_steps": dense_equivalent_steps(c["runs"], timed_ratio)}
-
-            def dense_to(n: int, c: dict[str, Any] = c, timed_ratio: float | None = timed_ratio) -> float:
-                # from the bytes recorded at step n where the runs have them, else the whole run's
-                exact = dense_steps_to(c["runs"], n, timed_ratio)
-                return c["dense_steps"] if exact is None else exact
-
             tta = None
             note = ""
-            dense_steps = c["dense_steps"] if steps is None else dense_to(steps)
+            dense_steps = c["dense_steps"] if steps is None else _dense_steps_at(c, steps, timed_ratio)
             if steps is not None and s is not None:
                 tta = seconds_to_step(steps, s, dense_steps, dense_s)
                 if dense_steps > 0 and dense_s is None:
@@ -367,7 +375,11 @@ def compute(
             reach: dict[str, Any] = {}
             for key, level in levels.items():  # none's final metric and 99 % of it, beside the target
                 n = steps_to_target(c["curve"], level)
-                t = seconds_to_step(n, s, dense_to(n), dense_s) if n is not None and s is not None else None
+                t = (
+                    seconds_to_step(n, s, _dense_steps_at(c, n, timed_ratio), dense_s)
+                    if n is not None and s is not None
+                    else None
+                )
                 reach |= {f"steps_to_{key}": n, f"tta_{key}_s": t, f"{key}_text": reach_text(n, t, bool(c["curve"]))}
             rate_rows.append(
                 {
