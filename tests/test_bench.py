@@ -1422,3 +1422,39 @@ def test_tta_charges_the_bytes_a_run_recorded_up_to_the_step_not_the_whole_run()
     lgc = {(r["codec"], r["rate"]): r for r in tta.compute(acc, link_data, ["100mbit"], target=0.5)["rows"]}
     assert lgc["lgc", "100mbit"]["dense_steps"] == pytest.approx(whole)
     assert lgc["lgc", "100mbit"]["tta_s"] == pytest.approx(50 * 1.25 + whole * (4.0 - 1.25))
+
+
+def test_link_repeats_alternate_the_order_and_keep_each_codecs_median_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(netns, "available", lambda: (True, ""))
+    calls = []
+    # per run, the step times of floor / none / topk: topk is slow in the second run only
+    times = [
+        {"floor": 1.0, "none": 2.0, "topk": 3.0},
+        {"floor": 1.2, "none": 2.4, "topk": 9.0},
+        {"floor": 1.1, "none": 2.2, "topk": 3.3},
+    ]
+
+    def fake_run(args, codecs, hosts, rate, out):
+        calls.append(list(codecs))
+        t = times[len(calls) - 1]
+        ranks = [[{"codec": c, "step_s": t[c], "wire_bytes": 8.0 * len(calls)} for c in codecs]] * hosts
+        return {"hosts": hosts, "rate": rate, "ranks": ranks, "error": None, "wall_s": 0.0}
+
+    monkeypatch.setattr(link, "run_config", fake_run)
+    out = tmp_path / "l"
+    argv = ["link", "--codecs", "none,topk", "--hosts", "2", "--rates", "100mbit", "--repeats", "3"]
+    assert bench_main(argv + ["--out", str(out)]) == 0
+    assert calls == [["floor", "none", "topk"], ["topk", "none", "floor"], ["floor", "none", "topk"]]
+    data = json.loads((out / "link.json").read_text())
+    rows = {r["codec"]: r for r in data["rows"]}
+    assert sorted(rows) == ["floor", "none", "topk"]
+    # the median run's row, whole: topk's third run (3.3 s, its bytes), not the mean with the outlier
+    assert rows["topk"]["step_s"] == 3.3 and rows["topk"]["wire_bytes"] == 24.0
+    assert rows["topk"]["step_s_repeats"] == [3.0, 9.0, 3.3]
+    assert rows["topk"]["step_s_spread"] == pytest.approx((9.0 - 3.0) / 3.3)
+    assert rows["none"]["step_s"] == 2.2 and rows["none"]["x_floor"] == pytest.approx(2.2 / 1.1)
+    assert [c["repeat"] for c in data["runs"]] == [1, 2, 3]
+    # one run: the rows as they were, with no repeat columns
+    assert link.combine_repeats([[{"codec": "none", "step_s": 2.0}]]) == [{"codec": "none", "step_s": 2.0}]
+    with pytest.raises(SystemExit, match="--repeats must be >= 1"):
+        bench_main(argv[:-1] + ["0", "--out", str(out)])

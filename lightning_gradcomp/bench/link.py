@@ -6,6 +6,9 @@ lightning_gradcomp.bench.worker``, pinned to one core with ``taskset``), and col
 median step time, its ratio to the no-communication floor measured in the same run, the hook's
 communication, encode and decode time, bytes on the wire per step, compression ratio, relative
 error, and whether the strategy fell back to plain all-reduce (``fallback_buckets``).
+``--repeats N`` runs each host count and rate N times, the codec order reversed every other time,
+and keeps each codec's median run: step times on a shared CPU drift between invocations by more
+than the gap between two codecs.
 
 Without root or iproute2 the ranks run on loopback without shaping (codec overhead only).
 Every namespace made is removed on exit, on error, on Ctrl-C and on SIGTERM; ``--cleanup``
@@ -29,7 +32,16 @@ from typing import Any
 from lightning_gradcomp.bench import netns, paths
 from lightning_gradcomp.bench.results import Column, format_table, machine_info, write_csv, write_json
 
-__all__ = ["COLUMNS", "DEFAULT_CODECS", "SEED_CODECS", "add_arguments", "default_codecs", "main", "run_config"]
+__all__ = [
+    "COLUMNS",
+    "DEFAULT_CODECS",
+    "SEED_CODECS",
+    "add_arguments",
+    "combine_repeats",
+    "default_codecs",
+    "main",
+    "run_config",
+]
 
 DEFAULT_CODECS = ("none", "fp16", "topk", "powersgd")
 SEED_CODECS = ("gradiveq", "fft", "lgc", "iwp")
@@ -40,6 +52,7 @@ COLUMNS = [
     Column("rate", "link"),
     Column("codec", "codec"),
     Column("step_s", "step s", "{:.3f}"),
+    Column("step_s_spread", "spread", "{:.0%}"),
     Column("x_floor", "x floor", "{:.2f}"),
     Column("comm_ms", "comm ms", "{:.0f}"),
     Column("codec_ms", "enc+dec ms", "{:.0f}"),
@@ -94,6 +107,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run warm-up steps at the target rate too (by default they run at 1gbit; "
         "only measured steps use the rate)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run each host count and rate this many times, the codec order reversed on every other run; "
+        "a codec's row is that of its median run, with every run's step time (step_s_repeats) and their spread",
     )
     p.add_argument("--loopback", action="store_true", help="no namespaces: all ranks on 127.0.0.1, no shaping")
     p.add_argument("--cleanup", action="store_true", help="remove namespaces left by killed runs, then exit")
@@ -281,6 +301,8 @@ def main(args: argparse.Namespace) -> int:
     hosts = [int(h) for h in args.hosts.split(",") if h]
     if any(h < 2 for h in hosts):
         raise SystemExit(f"--hosts must be >= 2, got {args.hosts}")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     rates: list[str | None] = [r for r in args.rates.split(",") if r]
     for r in rates:
         try:
@@ -313,15 +335,21 @@ def main(args: argparse.Namespace) -> int:
     try:
         for h in hosts:
             for rate in rates:
-                name = f"{h}hosts-{rate or 'loopback'}"
-                print(f"link: {name}: {', '.join(codecs)} ...", file=sys.stderr, flush=True)
-                cfg = run_config(args, codecs, h, rate, out / "runs" / name)
-                if cfg["error"]:
-                    print(f"link: {name}: {cfg['error']}", file=sys.stderr)
-                configs.append({**cfg, "model": args.model})
-                rows = merge_rows(rows, rows_of(cfg, args.model), args.model)
-                errors.append(cfg["error"])
-                write_results(out, rows, configs, args)
+                repeated: list[list[dict[str, Any]]] = []
+                for i in range(args.repeats):
+                    name = f"{h}hosts-{rate or 'loopback'}" + (f"-{i + 1}" if args.repeats > 1 else "")
+                    # every other run in reverse: a drift of the machine over the run (another
+                    # load, the clock) then falls on each codec's early and late turns alike
+                    order = codecs if i % 2 == 0 else codecs[::-1]
+                    print(f"link: {name}: {', '.join(order)} ...", file=sys.stderr, flush=True)
+                    cfg = run_config(args, order, h, rate, out / "runs" / name)
+                    if cfg["error"]:
+                        print(f"link: {name}: {cfg['error']}", file=sys.stderr)
+                    configs.append({**cfg, "model": args.model, "repeat": i + 1})
+                    repeated.append(rows_of(cfg, args.model))
+                    errors.append(cfg["error"])
+                    rows = merge_rows(rows, combine_repeats(repeated), args.model)
+                    write_results(out, rows, configs, args)
     finally:
         _teardown_all()
         for s, h in old.items():
@@ -329,6 +357,37 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(rows, COLUMNS))
     print(f"\nwrote {out / 'link.json'} and {out / 'link.csv'}")
     return 1 if any(errors) else 0
+
+
+def combine_repeats(repeated: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per codec from the rows of repeated runs of one host count and rate.
+
+    A codec's row is that of its run with the median step time (the lower middle one for an even
+    count), so that every number in it comes from one run; ``step_s_repeats`` holds each run's
+    median step time and ``step_s_spread`` their range over that median. ``x_floor`` compares
+    the medians. With one run its rows come back as they are.
+    """
+    if len(repeated) == 1:
+        return repeated[0]
+    codecs = list(dict.fromkeys(r["codec"] for rows in repeated for r in rows))
+    combined = []
+    for codec in codecs:
+        runs = [r for rows in repeated for r in rows if r["codec"] == codec]
+        timed = sorted((r for r in runs if r.get("step_s") is not None), key=lambda r: r["step_s"])
+        if not timed:
+            combined.append(runs[-1])
+            continue
+        row = dict(timed[(len(timed) - 1) // 2])
+        times = [r["step_s"] for r in runs if r.get("step_s") is not None]
+        row["step_s_repeats"] = times
+        row["step_s_spread"] = (max(times) - min(times)) / row["step_s"]
+        row.pop("x_floor", None)
+        combined.append(row)
+    floor = next((r["step_s"] for r in combined if r["codec"] == FLOOR and r.get("step_s")), None)
+    for row in combined:
+        if floor and row["codec"] != FLOOR and row.get("step_s"):
+            row["x_floor"] = row["step_s"] / floor
+    return combined
 
 
 def _key(d: dict[str, Any], model: str) -> tuple[int, str, str]:
