@@ -177,19 +177,13 @@ class IWPCodec(AdjustableLevel, MultiRound, Codec):
             Default 0: off.
         density_warmup_start: the kept fraction the warm-up starts from (default 0.25, DGC's),
             and the one kept at compression level 0.
-        **kwargs: the common codec options (``error_feedback`` on by default, with its residual
-            kept in units of the update: ``lr_scaled_feedback``; ``min_numel``, ``start_step``).
-            ResNet-18, one epoch, the level controller on, seeds 0 / 1: 0.577 / 0.570 against
-            0.556 / 0.545 without it, though the controller then ran 301 steps light instead of
-            151 (docs/benchmarks.md). Beside an Adam-like optimizer, whose step is not
-            proportional to the gradient, the strategy turns that rescaling off unless it was
-            asked for, as for ``topk``.
+        **kwargs: the common codec options (``error_feedback`` on by default, ``min_numel``,
+            ``start_step``).
     """
 
     collective = "allreduce"
     Options = IWPOptions
-    harness_defaults = {"error_feedback": True, "lr_scaled_feedback": True}
-    adaptive_optimizer_defaults = {"lr_scaled_feedback": False}
+    harness_defaults = {"error_feedback": True}
     sparse_local = True  # momentum factor masking applies
 
     def __init__(self, **options: Any) -> None:
