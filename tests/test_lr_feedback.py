@@ -82,7 +82,7 @@ def test_rescale_arithmetic_zero_rate_and_switch():
     fresh = CodecHookState(make_codec("topk", lr_scaled_feedback=True))
     fresh.load_state_dict(state.state_dict())
     assert fresh.residual_lr == {"w": 0.05}
-    # off (the default of most codecs; topk's beside Adam): the residual is never touched
+    # off (the default of every codec but lgc): the residual is never touched
     plain = CodecHookState(make_codec("topk", lr_scaled_feedback=False))
     plain.memory.set("w", torch.ones(3))
     plain.rescale_residuals({"w": 0.1})

@@ -152,7 +152,6 @@ _OPTION_CHANGES = {
     ("powersgd", "rank"): ("<absent>", 4),  # the option is called rank; rank_r was its stored copy
     ("powersgd", "rank_r"): (4, "<absent>"),
     ("qsgd", "bits"): (4, "<absent>"),  # derived from levels: a read-only property now
-    ("topk", "lr_scaled_feedback"): (False, True),  # measured to help top-k (docs/benchmarks.md)
 }
 # harness options added since, which every codec takes: their default for each codec
 _HARNESS_ADDED = {"precondition": {"default": False}, "dense_dtype": {"default": "float32", "lgc": "bfloat16"}}

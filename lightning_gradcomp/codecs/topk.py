@@ -64,18 +64,16 @@ class TopKCodec(AdjustableLevel, Codec):
             from ``density_warmup_start`` to ``ratio`` (see :class:`DensityWarmup`). Default 0: off.
         density_warmup_start: the kept fraction the warm-up starts from (default 0.25, DGC's),
             and the one kept at compression level 0.
-        **kwargs: the common codec options; error feedback is on by default, with its residual
-            kept in units of the update (``lr_scaled_feedback``: ResNet-18, one epoch, the level
-            controller on, seeds 0 / 1: 0.582 / 0.593 against 0.571 / 0.578 without it;
-            docs/benchmarks.md). Beside an Adam-like optimizer, whose step is not proportional to
-            the gradient, the strategy turns that rescaling off unless it was asked for (on
-            PSPNet with AdamW it did not help ``lgc``).
+        **kwargs: the common codec options; error feedback is on by default. Keeping its residual
+            in units of the update (``lr_scaled_feedback=True``) helped only under the level
+            controller (ResNet-18, one epoch, seeds 0 / 1: 0.582 / 0.593 against 0.571 / 0.578);
+            without it, ``topk``'s default, it gave 0.559 / 0.519 against 0.557 / 0.538
+            (docs/benchmarks.md), so ask for both together.
     """
 
     collective = "allgather"
     Options = TopKOptions
-    harness_defaults = {"error_feedback": True, "lr_scaled_feedback": True}
-    adaptive_optimizer_defaults = {"lr_scaled_feedback": False}
+    harness_defaults = {"error_feedback": True}
     sparse_local = True  # momentum factor masking applies
 
     @property
