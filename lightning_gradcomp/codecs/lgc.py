@@ -96,6 +96,7 @@ MIN_AE_LEN = 64
 CODES = ("levels", "autoencoder")
 VARIANTS = ("rar", "ps")
 SELECTIONS = ("sampled", "exact")
+WARMUP_CODECS = ("allreduce", "powersgd")
 #: relative magnitudes kept a layer and step for a refit of the levels (a seeded subsample)
 REFIT_VALUES = 4096
 #: the paper's stage lengths (SOFF: 200 dense rounds, 300 collecting), the caps of fractions
@@ -147,6 +148,8 @@ class LGCOptions(CodecOptions):
     selection: str = "sampled"
     max_recon_error: float = 0.3
     ae_error_feedback: bool = True
+    warmup_codec: str = "allreduce"
+    warmup_rank: int = 4
     seed: int = 0
 
     def check(self) -> None:
@@ -187,6 +190,8 @@ class LGCOptions(CodecOptions):
             raise ValueError(f"max_recon_error must be a positive number, got {max_recon_error!r}")
         self._set("max_recon_error", float(max_recon_error))
         self._set("ae_error_feedback", bool(self.ae_error_feedback))
+        check_choice("warmup_codec", self.warmup_codec, WARMUP_CODECS)
+        check_positive_int("warmup_rank", self.warmup_rank)
         self._set("seed", int(self.seed))
 
 
@@ -295,6 +300,8 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         # identical on every rank: the AE, whether it is trained, its training summary, the samples
         self._ae_state = {"trained": False, "loss": float("nan"), "recon_error": float("nan"), "train_s": float("nan")}
         self._ae_layers: dict[str, float] = {}  # layers the learned code carries in stage 3 -> held-out error
+        self._warmup_codec: Any = None  # warmup_codec="powersgd": the PowerSGD codec of stage 1
+        self._handoff: dict[str, Tensor] = {}  # its error memory at the end of stage 1, per layer
         self._levels: dict[str, Tensor] = {}  # "levels": each layer's magnitude levels
         self._levels_denser: dict[str, Tensor] = {}  # the same, for a support denser than ``ratio``
         self._samples: list[tuple[str, int, int, int, Tensor]] = []  # key, step, leader, numel, (N, K) values
@@ -389,7 +396,8 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         return 2 if step < self.ae_start_step or not self.ae_trained else 3
 
     def is_compressing(self, step: int) -> bool:
-        return step >= self.warmup_end
+        # with a PowerSGD warm-up, stage 1 compresses too (from the first step the hook allows)
+        return self.options.warmup_codec == "powersgd" or step >= self.warmup_end
 
     @property
     def uses_autoencoder(self) -> bool:
@@ -398,12 +406,46 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
     def collective_at(self, step: int) -> Collective:
         # stage 2 gathers every rank's values (the learned code's training data); the AE's RAR
         # stage 3 sums latents; the levels' codes do not sum and are gathered
+        if self.options.warmup_codec == "powersgd" and self.stage(step) == 1:
+            return "custom"  # stage 1 through PowerSGD (communicate_bucket)
         rar = self.uses_autoencoder and self.options.variant == "rar"
         return "allreduce" if rar and self.stage(step) == 3 else "allgather"
 
     def setup(self, context: CodecContext) -> None:
         super().setup(context)
         self.ae.to(context.device)
+        if self.options.warmup_codec == "powersgd":
+            from lightning_gradcomp.codecs.powersgd import PowerSGDCodec
+
+            self._warmup_codec = PowerSGDCodec(rank=self.options.warmup_rank)
+            self._warmup_codec.setup(context)
+            self._warmup_codec.set_level(self.compression_level)
+
+    def on_level_change(self) -> None:
+        if self._warmup_codec is not None:  # PowerSGD's rank follows the level in stage 1
+            self._warmup_codec.set_level(self.compression_level)
+
+    def communicate_bucket(self, bucket: Any, layers: list, flag: Tensor, rc: RoundContext) -> Any:
+        """Stage 1 with ``warmup_codec="powersgd"``: the bucket goes through PowerSGD. At the last
+        step of stage 1 PowerSGD's error-feedback memory is handed to stage 2, layer by layer."""
+        assert self._warmup_codec is not None
+        fut = self._warmup_codec.communicate_bucket(bucket, layers, flag, rc)
+        if self.stage(rc.step + 1) == 1:
+            return fut
+        buf = bucket.buffer()
+        base = buf.data_ptr()
+        spans = [(k, (g.data_ptr() - base) // buf.element_size(), g.numel()) for k, g, _ in layers]
+        index = bucket.index()
+
+        def hand_off(f: torch.futures.Future) -> Tensor:
+            out = f.value()
+            err = self._warmup_codec._torch_state.error_dict.pop(index, None)
+            if err is not None:
+                for k, start, n in spans:
+                    self._handoff[k] = err[start : start + n].clone()
+            return out
+
+        return fut.then(hand_off)
 
     def _device(self) -> torch.device:
         """The device of the AE (the codec context's once set up)."""
@@ -451,6 +493,11 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         if stage == 3 and not self.ae_trained:  # resumed exactly at the switch: train now
             self.train_autoencoder()
             stage = self.stage(step)
+        if self._handoff:  # the first step after a PowerSGD stage 1: what it held back travels now
+            for key, x, _ in layers:
+                held = self._handoff.pop(key, None)
+                if held is not None:
+                    x.add_(held.to(x.device))
         leader = step % self.world_size  # a rank of the codec's group
         is_leader = self.rank == leader
         device = layers[0][1].device
@@ -663,6 +710,8 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
     # ----------------------------------------------------------------------------------------------
     # training at the switch: rank 0 trains, everyone receives the weights
     def on_step_end(self, step: int) -> None:
+        if self._handoff and self.stage(step) >= 2:
+            self._handoff.clear()  # layers stage 2 sends uncompressed: PowerSGD's residual there is dropped
         if step + 1 >= self.ae_start_step and not self.ae_trained:
             self.train_autoencoder()
         elif self._refitting(step) and (step + 1 - self.ae_start_step) % self.options.refit_every == 0:
