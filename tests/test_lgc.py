@@ -55,6 +55,9 @@ def _mlp() -> nn.Module:
         (dict(max_recon_error=0), "max_recon_error must be a positive number"),
         (dict(density_warmup=-3), "density_warmup must be an integer >= 0"),
         (dict(density_warmup_start=1.5), "density_warmup_start must be in"),
+        (dict(warmup_codec="fp16"), "warmup_codec must be one of"),
+        (dict(warmup_rank=0), "warmup_rank"),
+        (dict(warmup_codec="powersgd", momentum=0.9), "warmup_codec='powersgd' .* momentum correction"),
     ],
 )
 def test_invalid_options_name_the_option(opts, match):
@@ -537,3 +540,89 @@ def test_density_warmup_sends_a_falling_share_then_the_learned_code_trains_on_th
     # the levels learned only from steps at the target density
     assert r0["sample_steps"] and min(r0["sample_steps"]) >= DW_STEPS
     assert r0["steps"][0]["wire"] > 5 * warm[0]["wire"] > 0  # step 0 is the dense all-reduce
+
+
+# --------------------------------------------------------------------------------------------------
+# a PowerSGD stage 1: low-rank instead of dense, its error memory handed to stage 2
+PW_WARM, PW_TRAIN, PW_STAGE3 = 5, 3, 2
+
+
+def _powersgd_warmup_run(rank: int, world: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_gradcomp.api import make_comm_hook
+
+    torch.manual_seed(0)
+    model, ref = _mlp(), _mlp()
+    ddp = DDP(model)
+    opts = dict(OPTS, code="levels", warmup_steps=PW_WARM, ae_train_steps=PW_TRAIN)
+    state, hook = make_comm_hook("lgc", ddp, warmup_codec="powersgd", warmup_rank=2, **opts)
+    ddp.register_comm_hook(state, hook)
+    codec = state.codec
+    keys = [state.key_of(p) for p in model.parameters()]
+    compressed = [k for k, p in zip(keys, model.parameters()) if codec.should_compress(k, p)]
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(100 + rank)
+    steps, handoff, first, saved, restored = [], {}, {}, None, None
+    for step in range(PW_WARM + PW_TRAIN + PW_STAGE3):
+        x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        own = {k: p.grad.reshape(-1).clone() for k, p in zip(keys, ref.parameters())}
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        steps.append({"stage": codec.stage(step), "wire": state.stats.pop().wire_bytes})
+        if step == PW_WARM - 2:  # mid stage 1: PowerSGD's state survives a checkpoint
+            shared, own_state = codec.state_dict(), codec.rank_state_dict()
+            fresh = make_codec("lgc", warmup_codec="powersgd", warmup_rank=2, **opts)
+            fresh.load_state_dict(shared)
+            fresh.load_rank_state_dict(own_state)
+            fresh.setup(codec.context)
+            restored = (fresh.state_dict()["warmup"], fresh.rank_state_dict())
+            saved = (shared["warmup"], own_state)
+        if step == PW_WARM - 1:
+            handoff = {k: v.clone() for k, v in codec._handoff.items()}
+        if step == PW_WARM:  # the first step of stage 2: the residual of what it did not send
+            first = {k: (own[k], state.memory.get(k).clone()) for k in compressed}
+        opt.step()
+    return {
+        "steps": steps,
+        "compressed": compressed,
+        "keys": keys,
+        "handoff": handoff,
+        "first": first,
+        "left": dict(codec._handoff),
+        "saved": saved,
+        "restored": restored,
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+def test_powersgd_warmup_compresses_stage_1_and_hands_its_error_to_stage_2():
+    """With ``warmup_codec="powersgd"`` stage 1 sends PowerSGD's factors from step 2 (the hook's
+    floor) instead of the dense gradient; at its last step PowerSGD's error memory is kept per layer,
+    and the first step of stage 2 sends it with that step's gradient: the residual it leaves is
+    exactly ``g + e`` off the support (and zero on it). PowerSGD's state survives a checkpoint taken
+    in stage 1, and the ranks stay identical throughout."""
+    r0, r1 = run_gloo(_powersgd_warmup_run, world_size=2, timeout=300)
+    assert all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"])), "ranks diverged"
+    stages = [1] * PW_WARM + [2] * PW_TRAIN + [3] * PW_STAGE3
+    assert [s["stage"] for s in r0["steps"]] == stages
+    dense_wire = r0["steps"][0]["wire"]
+    for s in r0["steps"][2:PW_WARM]:  # rank-2 factors of 256 x 64, 256 x 256 and 10 x 256
+        assert 0 < s["wire"] < dense_wire / 4
+    for r in (r0, r1):
+        (shared, own), (shared_back, own_back) = r["saved"], r["restored"]
+        assert any(k.startswith("warmup.error.") for k in own) and own.keys() == own_back.keys()
+        assert all(torch.equal(own[k], own_back[k]) for k in own)
+        assert shared["iter"] == shared_back["iter"] and shared["q"].keys() == shared_back["q"].keys()
+        assert set(r["handoff"]) == set(r["keys"])  # every parameter of the bucket, biases too
+        assert not r["left"]  # consumed by stage 2 (and dropped for the layers it sends dense)
+        for k in r["compressed"]:
+            g, residual = r["first"][k]
+            x = g + r["handoff"][k]
+            assert float(r["handoff"][k].abs().max()) > 0
+            kept = residual != 0
+            assert 0 < int((~kept).sum()) <= math.ceil(RATIO * g.numel())  # the support was sent
+            torch.testing.assert_close(residual[kept], x[kept], rtol=0, atol=1e-6)

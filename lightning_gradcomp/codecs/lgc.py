@@ -8,7 +8,10 @@ in three stages, switched on the same global optimizer step on every rank:
 1. ``step < warmup_steps``: dense all-reduce. With ``density_warmup`` (DGC's warm-up of sparsity)
    the next ``density_warmup`` steps already send the shared support of stage 2, but denser: its
    fraction falls exponentially from ``density_warmup_start`` (25 %) to ``ratio``. Steps 0 and 1
-   are always dense.
+   are always dense. With ``warmup_codec="powersgd"`` stage 1 sends PowerSGD's low-rank factors
+   from step 2 instead (torch's hook through :class:`~lightning_gradcomp.codecs.powersgd.PowerSGDCodec`,
+   rank ``warmup_rank``, four times that at compression level 0); at its last step each rank's
+   PowerSGD error memory is kept per layer and sent with the first step of stage 2.
 2. the next ``ae_train_steps`` steps: top-k on a *shared support* with error
    feedback. Every step a leader (rank ``step % N``) picks each layer's top-k positions ``S``
    (``k = ceil(ratio * numel)``) and broadcasts them; every rank sends its values ``v_i = x_i[S]``
@@ -86,6 +89,7 @@ from lightning_gradcomp.codecs.base import (
 )
 from lightning_gradcomp.codecs.lgc_autoencoder import GradientAutoencoder
 from lightning_gradcomp.codecs.positions import choose_encoding, decode_positions, encode_positions, encoded_nbytes
+from lightning_gradcomp.codecs.powersgd import PowerSGDCodec
 from lightning_gradcomp.codecs.sampling import DensityWarmup, check_density_warmup, keep_count, select_top
 from lightning_gradcomp.registry import register_codec
 
@@ -96,6 +100,7 @@ MIN_AE_LEN = 64
 CODES = ("levels", "autoencoder")
 VARIANTS = ("rar", "ps")
 SELECTIONS = ("sampled", "exact")
+WARMUP_CODECS = ("allreduce", "powersgd")
 #: relative magnitudes kept a layer and step for a refit of the levels (a seeded subsample)
 REFIT_VALUES = 4096
 #: the paper's stage lengths (SOFF: 200 dense rounds, 300 collecting), the caps of fractions
@@ -147,6 +152,8 @@ class LGCOptions(CodecOptions):
     selection: str = "sampled"
     max_recon_error: float = 0.3
     ae_error_feedback: bool = True
+    warmup_codec: str = "allreduce"
+    warmup_rank: int = 4
     seed: int = 0
 
     def check(self) -> None:
@@ -187,6 +194,8 @@ class LGCOptions(CodecOptions):
             raise ValueError(f"max_recon_error must be a positive number, got {max_recon_error!r}")
         self._set("max_recon_error", float(max_recon_error))
         self._set("ae_error_feedback", bool(self.ae_error_feedback))
+        check_choice("warmup_codec", self.warmup_codec, WARMUP_CODECS)
+        check_positive_int("warmup_rank", self.warmup_rank)
         self._set("seed", int(self.seed))
 
 
@@ -257,6 +266,11 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
             ``v - s D(E(v / s))``, in the residual (default True), so what the code misses is sent
             later instead of being lost; False keeps only what is off the support (the paper's
             choice). ``gradcomp/rel_error`` includes the AE's error either way.
+        warmup_codec: how stage 1 travels: ``"allreduce"`` (default, the dense gradient) or
+            ``"powersgd"`` (PowerSGD's rank-``warmup_rank`` factors with its own error feedback,
+            the rank four times higher at compression level 0; what it held back at the end of
+            stage 1 travels with stage 2's first step). Not with ``momentum`` or ``precondition``.
+        warmup_rank: PowerSGD's rank in stage 1 at compression level 1 (default 4).
         seed: seeds the AE initialization, its training and the sampling.
         **kwargs: the common codec options (``error_feedback`` on by default, ``min_numel``;
             ``lr_scaled_feedback`` and ``dense_dtype="bfloat16"`` are the defaults here, see
@@ -295,6 +309,9 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         # identical on every rank: the AE, whether it is trained, its training summary, the samples
         self._ae_state = {"trained": False, "loss": float("nan"), "recon_error": float("nan"), "train_s": float("nan")}
         self._ae_layers: dict[str, float] = {}  # layers the learned code carries in stage 3 -> held-out error
+        # warmup_codec="powersgd": torch's PowerSGD through our wrapper runs stage 1
+        self._warmup_codec = PowerSGDCodec(rank=o.warmup_rank) if o.warmup_codec == "powersgd" else None
+        self._handoff: dict[str, Tensor] = {}  # its error memory at the end of stage 1, per layer
         self._levels: dict[str, Tensor] = {}  # "levels": each layer's magnitude levels
         self._levels_denser: dict[str, Tensor] = {}  # the same, for a support denser than ``ratio``
         self._samples: list[tuple[str, int, int, int, Tensor]] = []  # key, step, leader, numel, (N, K) values
@@ -315,6 +332,16 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         # start_step always has a value (the harness default); only another one was asked for
         if harness.start_step != HarnessOptions.start_step:
             raise ValueError("lgc schedules its stages with warmup_steps and ae_train_steps, not start_step")
+        if self.options.warmup_codec == "powersgd" and (harness.momentum or harness.precondition):
+            raise ValueError(
+                "warmup_codec='powersgd' sends stage 1 through PowerSGD, which keeps its own error memory and can "
+                "take neither momentum correction nor precondition: use warmup_codec='allreduce' with them"
+            )
+
+    @property
+    def bucket_keyed_state(self) -> bool:  # type: ignore[override]
+        # PowerSGD keys its factors and error by DDP bucket index (see MultiRound)
+        return self._warmup_codec is not None
 
     # training summary (run-time state, not options: it changes during the run)
     @property
@@ -389,7 +416,8 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         return 2 if step < self.ae_start_step or not self.ae_trained else 3
 
     def is_compressing(self, step: int) -> bool:
-        return step >= self.warmup_end
+        # with a PowerSGD warm-up, stage 1 compresses too (from the first step the hook allows)
+        return self.options.warmup_codec == "powersgd" or step >= self.warmup_end
 
     @property
     def uses_autoencoder(self) -> bool:
@@ -398,12 +426,42 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
     def collective_at(self, step: int) -> Collective:
         # stage 2 gathers every rank's values (the learned code's training data); the AE's RAR
         # stage 3 sums latents; the levels' codes do not sum and are gathered
+        if self.options.warmup_codec == "powersgd" and self.stage(step) == 1:
+            return "custom"  # stage 1 through PowerSGD (communicate_bucket)
         rar = self.uses_autoencoder and self.options.variant == "rar"
         return "allreduce" if rar and self.stage(step) == 3 else "allgather"
 
     def setup(self, context: CodecContext) -> None:
         super().setup(context)
         self.ae.to(context.device)
+        if self._warmup_codec is not None:
+            self._warmup_codec.setup(context)
+
+    def on_level_change(self) -> None:
+        if self._warmup_codec is not None:  # PowerSGD's rank follows the level in stage 1
+            self._warmup_codec.set_level(self.compression_level)
+
+    def communicate_bucket(self, bucket: Any, layers: list, flag: Tensor, rc: RoundContext) -> Any:
+        """Stage 1 with ``warmup_codec="powersgd"``: the bucket goes through PowerSGD. At the last
+        step of stage 1 PowerSGD's error-feedback memory is handed to stage 2, layer by layer."""
+        assert self._warmup_codec is not None
+        fut = self._warmup_codec.communicate_bucket(bucket, layers, flag, rc)
+        if self.stage(rc.step + 1) == 1:
+            return fut
+        buf = bucket.buffer()
+        base = buf.data_ptr()
+        spans = [(k, (g.data_ptr() - base) // buf.element_size(), g.numel()) for k, g, _ in layers]
+        index = bucket.index()
+
+        def hand_off(f: torch.futures.Future) -> Tensor:
+            out = f.value()
+            err = self._warmup_codec.pop_error(index)
+            if err is not None:
+                for k, start, n in spans:
+                    self._handoff[k] = err[start : start + n].clone()
+            return out
+
+        return fut.then(hand_off)
 
     def _device(self) -> torch.device:
         """The device of the AE (the codec context's once set up)."""
@@ -451,6 +509,11 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         if stage == 3 and not self.ae_trained:  # resumed exactly at the switch: train now
             self.train_autoencoder()
             stage = self.stage(step)
+        if self._handoff:  # the first step after a PowerSGD stage 1: what it held back travels now
+            for key, x, _ in layers:
+                held = self._handoff.pop(key, None)
+                if held is not None:
+                    x.add_(held.to(x.device))
         leader = step % self.world_size  # a rank of the codec's group
         is_leader = self.rank == leader
         device = layers[0][1].device
@@ -663,6 +726,8 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
     # ----------------------------------------------------------------------------------------------
     # training at the switch: rank 0 trains, everyone receives the weights
     def on_step_end(self, step: int) -> None:
+        if self._handoff and self.stage(step) >= 2:
+            self._handoff.clear()  # layers stage 2 sends uncompressed: PowerSGD's residual there is dropped
         if step + 1 >= self.ae_start_step and not self.ae_trained:
             self.train_autoencoder()
         elif self._refitting(step) and (step + 1 - self.ae_start_step) % self.options.refit_every == 0:
@@ -932,6 +997,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
             "samples": samples,
             "values_run": {name: list(t) for name, t in self._values_run.items()},
             "refits": self._refits,
+            **({"warmup": self._warmup_codec.state_dict()} if self._warmup_codec is not None else {}),
             **self.level_state(),
         }
 
@@ -939,6 +1005,9 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         if not state:
             return
         state = self.load_level_state(state)
+        warmup = state.get("warmup")
+        if warmup is not None and self._warmup_codec is not None:
+            self._warmup_codec.load_state_dict(warmup)
         device = next(self.ae.parameters()).device
         self.ae.load_state_dict({k: v.to(device) for k, v in state["ae"].items()})
         self.ae.requires_grad_(False)
@@ -970,6 +1039,26 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
             self._samples = [
                 (d["key"], int(d["step"]), int(d["leader"]), int(d["numel"]), d["values"]) for d in state["samples"]
             ]
+
+    # per rank: PowerSGD's error memory and P during stage 1, and what it hands to stage 2
+    def rank_state_dict(self) -> dict[str, Tensor]:
+        if self._warmup_codec is None:
+            return {}
+        out = {f"warmup.{k}": v for k, v in self._warmup_codec.rank_state_dict().items()}
+        out.update({f"handoff.{k}": v.detach().cpu().clone() for k, v in self._handoff.items()})
+        return out
+
+    def load_rank_state_dict(self, state: dict[str, Tensor]) -> None:
+        if self._warmup_codec is None:
+            if state:
+                raise ValueError(
+                    "this checkpoint holds the per-rank state of lgc's PowerSGD warm-up: "
+                    "resume with codec_options={'warmup_codec': 'powersgd'}"
+                )
+            return
+        prefix = "warmup."
+        self._warmup_codec.load_rank_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
+        self._handoff = {k[len("handoff.") :]: v for k, v in state.items() if k.startswith("handoff.")}
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)

@@ -199,6 +199,11 @@ class PowerSGDCodec(AdjustableLevel, MultiRound, Codec):
 
         return fut.then(finish)
 
+    def pop_error(self, bucket_index: int) -> Tensor | None:
+        """Take this rank's error-feedback memory of a bucket out of torch's state (flat, in the
+        bucket's layout: what the last step did not send), or ``None`` if it holds none."""
+        return None if self._torch_state is None else self._torch_state.error_dict.pop(bucket_index, None)
+
     # torch keeps P, Q (identical on all ranks after their all-reduce) and the error per rank,
     # all keyed by bucket index, which is stable once DDP has rebuilt its buckets
     def state_dict(self) -> dict[str, Any]:
