@@ -146,6 +146,8 @@ _OPTION_CHANGES = {
     ("lgc", "refit_every"): ("<absent>", 100),  # the levels fitted again in stage 3
     ("lgc", "code_denser"): ("<absent>", True),  # the code also carries the controller's denser support
     ("lgc", "ratio"): (0.01, 0.0075),  # a steady ratio of 300 on ResNet-18 (docs/codecs/lgc.md)
+    ("lgc", "warmup_codec"): ("<absent>", "allreduce"),  # stage 1 dense unless PowerSGD is asked for
+    ("lgc", "warmup_rank"): ("<absent>", 4),
     ("iwp", "last_encodings"): ([], "<absent>"),  # introspection of the last bucket, now plain attributes
     ("iwp", "last_index_bytes"): (0, "<absent>"),
     ("iwp", "last_root"): (-1, "<absent>"),
