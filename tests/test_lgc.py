@@ -599,6 +599,19 @@ def _powersgd_warmup_run(rank: int, world: int) -> dict:
     }
 
 
+def test_replaced_warmup_options_rebuild_the_warmup_and_are_checked_against_the_harness():
+    codec = make_codec("lgc")
+    assert not codec.bucket_keyed_state and not codec.is_compressing(0)
+    codec.replace_options(warmup_codec="powersgd", warmup_rank=3)
+    assert codec.bucket_keyed_state and codec.is_compressing(0) and codec._warmup_codec.options.rank == 3
+    codec.replace_options(warmup_codec="allreduce")
+    assert not codec.bucket_keyed_state and codec._warmup_codec is None
+    with_momentum = make_codec("lgc", momentum=0.9)
+    with pytest.raises(ValueError, match="warmup_codec='powersgd' .* momentum correction"):
+        with_momentum.replace_options(warmup_codec="powersgd")
+    assert with_momentum.options.warmup_codec == "allreduce" and with_momentum._warmup_codec is None
+
+
 def test_powersgd_warmup_compresses_stage_1_and_hands_its_error_to_stage_2():
     """With ``warmup_codec="powersgd"`` stage 1 sends PowerSGD's factors from step 2 (the hook's
     floor) instead of the dense gradient; at its last step PowerSGD's error memory is kept per layer,

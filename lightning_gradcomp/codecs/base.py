@@ -306,9 +306,9 @@ class Codec:
         return comm.digest(json.dumps({"codec": self.name, "options": self.config()}, sort_keys=True, default=str))
 
     def replace_options(self, **changes: Any) -> None:
-        """Change some of the codec's own options (checked again), before the strategy sets the hook
-        up: ranks compare :meth:`config` there. What a codec built from its options at
-        construction (an autoencoder's shape) is not rebuilt."""
+        """Change some of the codec's own options (checked again, and the harness against them),
+        before the strategy sets the hook up: ranks compare :meth:`config` there. What a codec
+        built from its options at construction (an autoencoder's shape) is not rebuilt."""
         own = [f.name for f in dataclasses.fields(self.Options)]
         unknown = sorted(set(changes) - set(own))
         if unknown:
@@ -316,7 +316,12 @@ class Codec:
                 f"codec {self.name!r} has no option {', '.join(map(repr, unknown))} to replace. "
                 f"Its own options: {', '.join(own)}"
             )
-        self.options = dataclasses.replace(self.options, **changes)
+        before, self.options = self.options, dataclasses.replace(self.options, **changes)
+        try:  # a codec may refuse harness options only with some of its own (lgc's warm-up)
+            self._check_harness_for_codec()
+        except ValueError:
+            self.options = before  # a refused value changes nothing
+            raise
 
     def adopt_defaults(self, changes: Mapping[str, Any]) -> None:
         """Set options, the codec's own and the harness's alike, checked again; for

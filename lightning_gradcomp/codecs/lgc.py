@@ -309,8 +309,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         # identical on every rank: the AE, whether it is trained, its training summary, the samples
         self._ae_state = {"trained": False, "loss": float("nan"), "recon_error": float("nan"), "train_s": float("nan")}
         self._ae_layers: dict[str, float] = {}  # layers the learned code carries in stage 3 -> held-out error
-        # warmup_codec="powersgd": torch's PowerSGD through our wrapper runs stage 1
-        self._warmup_codec = PowerSGDCodec(rank=o.warmup_rank) if o.warmup_codec == "powersgd" else None
+        self._warmup_codec = self._make_warmup_codec()
         self._handoff: dict[str, Tensor] = {}  # its error memory at the end of stage 1, per layer
         self._levels: dict[str, Tensor] = {}  # "levels": each layer's magnitude levels
         self._levels_denser: dict[str, Tensor] = {}  # the same, for a support denser than ``ratio``
@@ -337,6 +336,15 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
                 "warmup_codec='powersgd' sends stage 1 through PowerSGD, which keeps its own error memory and can "
                 "take neither momentum correction nor precondition: use warmup_codec='allreduce' with them"
             )
+
+    def _make_warmup_codec(self) -> PowerSGDCodec | None:
+        """``warmup_codec="powersgd"``: torch's PowerSGD through our wrapper, which runs stage 1."""
+        o = self.options
+        return PowerSGDCodec(rank=o.warmup_rank) if o.warmup_codec == "powersgd" else None
+
+    def replace_options(self, **changes: Any) -> None:
+        super().replace_options(**changes)
+        self._warmup_codec = self._make_warmup_codec()  # it follows the options, as they are before setup
 
     @property
     def bucket_keyed_state(self) -> bool:  # type: ignore[override]
@@ -417,7 +425,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
 
     def is_compressing(self, step: int) -> bool:
         # with a PowerSGD warm-up, stage 1 compresses too (from the first step the hook allows)
-        return self.options.warmup_codec == "powersgd" or step >= self.warmup_end
+        return self._warmup_codec is not None or step >= self.warmup_end
 
     @property
     def uses_autoencoder(self) -> bool:
@@ -426,7 +434,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
     def collective_at(self, step: int) -> Collective:
         # stage 2 gathers every rank's values (the learned code's training data); the AE's RAR
         # stage 3 sums latents; the levels' codes do not sum and are gathered
-        if self.options.warmup_codec == "powersgd" and self.stage(step) == 1:
+        if self._warmup_codec is not None and self.stage(step) == 1:
             return "custom"  # stage 1 through PowerSGD (communicate_bucket)
         rar = self.uses_autoencoder and self.options.variant == "rar"
         return "allreduce" if rar and self.stage(step) == 3 else "allgather"
