@@ -6,6 +6,15 @@ threads, and a callback that blocks on another collective can starve the thread 
 needs (torch's own PowerSGD hook was seen to deadlock that way with two buckets). Codecs that need
 several dependent rounds run the early rounds in the hook body (see ``Codec.prepare_bucket``).
 
+Decoding in a callback: which thread runs a ``.then`` callback depends on timing (a gloo worker
+thread, or the caller's own thread when the collective has already finished), and threads can
+differ in their math settings: ``torch.set_num_threads``, which Lightning's launchers call at run
+time, sets OpenMP's and MKL's thread counts for the calling thread only, and MKL then splits a
+matrix product differently on a worker thread and rounds some entries differently. Two ranks
+decoding the same sum on different kinds of thread would end one rounding step apart, and the
+replicas would drift. :func:`then_like_caller` runs a callback under the thread settings of the
+thread that registered it, so every rank decodes with the same arithmetic.
+
 Payload packing: an ``allgather`` message is a byte string made of the codec's tensors, each
 aligned to 8 bytes, so that every rank can cut every other rank's message back into tensors of the
 same (fixed) shapes and dtypes without any metadata on the wire.
@@ -14,7 +23,8 @@ same (fixed) shapes and dtypes without any metadata on the wire.
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+import threading
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,6 +39,7 @@ __all__ = [
     "allgather_async",
     "wire_bytes",
     "completed_future",
+    "then_like_caller",
     "broadcast",
     "all_reduce",
     "digest",
@@ -77,6 +88,29 @@ def completed_future(value: Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(value)
     return fut
+
+
+_thread_settings = threading.local()
+
+
+def _use_thread_count(n: int) -> None:
+    """Give the calling thread ``n`` intra-op threads, as ``torch.set_num_threads(n)`` gives them
+    to its caller (OpenMP's and MKL's per-thread counts); once per thread and count."""
+    if getattr(_thread_settings, "count", None) != n:
+        torch.set_num_threads(n)
+        _thread_settings.count = n
+
+
+def then_like_caller(fut: torch.futures.Future, fn: Callable[[torch.futures.Future], Any]) -> torch.futures.Future:
+    """``fut.then(fn)``, with ``fn`` run under the intra-op thread count of the thread that calls
+    this (see the module docstring: otherwise the ranks' decodes can differ in their last bit)."""
+    n = torch.get_num_threads()
+
+    def run(f: torch.futures.Future) -> Any:
+        _use_thread_count(n)
+        return fn(f)
+
+    return fut.then(run)
 
 
 def allreduce_async(t: Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:

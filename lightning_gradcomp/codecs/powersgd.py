@@ -8,10 +8,15 @@ check, statistics, checkpointing of the state, and safety on gloo.
 Collective: custom. PowerSGD runs three dependent all-reduces per bucket (the uncompressed small
 tensors, then P, then Q); torch's hook starts the later ones *inside* ``.then`` callbacks and waits
 on them there. With gloo those callbacks run on the process group's worker threads, and two
-buckets doing so at once can block every thread (seen as a deadlock with a two-bucket MLP). On
-gloo the wrapper therefore waits for each bucket's chain in the hook body, so at most one such
-callback is in flight; this gives up overlap of PowerSGD's communication with the rest of
-backward. With NCCL the chain is returned as is.
+buckets doing so at once can block every thread (seen as a deadlock with a two-bucket MLP). And a
+worker thread can round a matrix product differently from the thread that called the hook
+(``lightning_gradcomp.comm``, "Decoding in a callback"): whether the decompression ran there or
+inline depended on timing, and two ranks ended one rounding step apart in about a third of loaded
+two-rank runs. On gloo the wrapper therefore hands torch's hook all-reduces that finish before
+they return (:class:`_BlockingCollectives`), so the whole chain, orthogonalization and
+decompression included, runs in the hook body on the calling thread, identically on every rank;
+this gives up overlap of PowerSGD's communication with the rest of backward. With NCCL the chain
+is returned as is (its arithmetic runs on the GPU, whichever thread launches it).
 
 The non-finite flag needs its own tiny all-reduce here (one extra round trip per bucket), because
 torch's hook would otherwise fold a NaN into its error-feedback memory before anyone could know.
@@ -27,6 +32,8 @@ is kept.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +60,46 @@ from lightning_gradcomp.timing import Span, clock_for
 
 #: the rank at compression level 0, as a multiple of the configured one
 LIGHT_RANK_FACTOR = 4
+
+
+class _FinishedWork:
+    """A collective that has already completed: what :class:`_BlockingCollectives` returns."""
+
+    def __init__(self, tensor: Tensor) -> None:
+        self._future = completed_future([tensor])
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
+class _BlockingCollectives:
+    """``torch.distributed`` as torch's PowerSGD hook sees it on gloo: ``all_reduce`` runs to
+    completion before it returns, so every ``.then`` callback the hook chains runs inline, on the
+    thread that called the hook, and no callback ever waits on a collective. Everything else is
+    ``torch.distributed`` itself."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    @staticmethod
+    def all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+        dist.all_reduce(tensor, op=op, group=group)
+        return _FinishedWork(tensor)
+
+
+@contextlib.contextmanager
+def _blocking_collectives() -> Iterator[None]:
+    """Run torch's PowerSGD hook with :class:`_BlockingCollectives` (the hook reads the module's
+    ``dist`` at call time; DDP calls the comm hook of one model from one thread at a time)."""
+    module_dist = torch_powersgd.dist
+    torch_powersgd.dist = _BlockingCollectives()
+    try:
+        yield
+    finally:
+        torch_powersgd.dist = module_dist
 
 
 @dataclass(frozen=True)
@@ -183,9 +230,11 @@ class PowerSGDCodec(AdjustableLevel, MultiRound, Codec):
             old = self._torch_state.error_dict.get(bucket.index()) if feedback else None
             ref = buf.double() if old is None or old.shape != buf.shape else buf.double() + old.double()
             ref_sq = ref.pow(2).sum()  # read with the statistics, not here
-        fut = torch_powersgd.powerSGD_hook(self._torch_state, bucket)
-        if dist.get_backend(rc.comm.group) == "gloo":
-            fut.wait()  # see the module docstring: never two waiting callbacks at once on gloo
+        if dist.get_backend(rc.comm.group) == "gloo":  # see the module docstring
+            with _blocking_collectives():
+                fut = torch_powersgd.powerSGD_hook(self._torch_state, bucket)
+        else:
+            fut = torch_powersgd.powerSGD_hook(self._torch_state, bucket)
         nbytes = self.payload_elements(bucket) * 4
         rc.record_bucket(buf, "allreduce", nbytes + 4, comm_s=Span(clock, t0, clock.mark()))
 

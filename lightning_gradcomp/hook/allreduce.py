@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.comm import allreduce_async
+from lightning_gradcomp.comm import allreduce_async, then_like_caller
 from lightning_gradcomp.hook.encode import Encoded
 from lightning_gradcomp.timing import Span
 
@@ -41,4 +41,4 @@ def send(state, buf: Tensor, enc: Encoded, flag: Tensor, step: int) -> torch.fut
         state.stats.add(decode_s=Span(enc.clock, t2, enc.clock.mark()))
         return enc.settle(state, buf, keep=True)
 
-    return fut.then(finish)
+    return then_like_caller(fut, finish)

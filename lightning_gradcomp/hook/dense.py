@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.codecs.base import LearnedState
-from lightning_gradcomp.comm import allreduce_async
+from lightning_gradcomp.comm import allreduce_async, then_like_caller
 from lightning_gradcomp.hook.encode import velocity
 from lightning_gradcomp.stats import record_bucket
 from lightning_gradcomp.timing import Span, clock_for
@@ -49,4 +49,4 @@ def send(state, buf: Tensor, layers: list, flag: Tensor, step: int) -> torch.fut
             codec.observe_dense(k, g.reshape(-1), step)
         return buf
 
-    return allreduce_async(msg, state.process_group).then(finish)
+    return then_like_caller(allreduce_async(msg, state.process_group), finish)
