@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.comm import allreduce_async, then_like_caller
-from lightning_gradcomp.hook.encode import Encoded
+from lightning_gradcomp.hook.encode import Encoded, holds_nonfinite
 from lightning_gradcomp.timing import Span
 
 __all__ = ["send"]
@@ -28,7 +28,7 @@ def send(state, buf: Tensor, enc: Encoded, flag: Tensor, step: int) -> torch.fut
         # every rank received the same sum, so checking it decides identically everywhere: this
         # also catches an overflow of a narrow wire format (fp16 beyond 65504). The bucket's one
         # host sync: keeping or discarding it is decided on the host.
-        if bool((t[-1] > 0).logical_or(torch.isfinite(t).all().logical_not())):
+        if bool((t[-1] > 0).logical_or(holds_nonfinite(t))):
             return enc.settle(state, buf, keep=False)
         off = 0
         for i, ((_, g, x), e) in enumerate(zip(enc.inputs, enc.encoded)):

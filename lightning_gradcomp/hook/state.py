@@ -12,7 +12,7 @@ from lightning_gradcomp.codecs.base import BucketRouter, Codec, LearnedState, Ro
 from lightning_gradcomp.fallback import FallbackPolicy
 from lightning_gradcomp.hook import allgather, allreduce, custom, dense
 from lightning_gradcomp.hook.consistency import check_codec_consistency, group_device, make_context
-from lightning_gradcomp.hook.encode import encode_layers
+from lightning_gradcomp.hook.encode import encode_layers, holds_nonfinite
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.stats import StatsAccumulator
 
@@ -347,9 +347,8 @@ class CodecHookState:
             self._run_step_end()
         body_start = fallback.clock.mark() if fallback.wants_timing() else 0.0
         step = self.step
-        # one cheap pass: the sum is finite iff every element is (barring fp32 overflow of the sum);
         # it stays on the device and travels in the message, so no rank waits for it here
-        flag = torch.isfinite(buf.sum(dtype=torch.float32)).logical_not().to(torch.float32).reshape(1)
+        flag = holds_nonfinite(buf).to(torch.float32).reshape(1)
         keys = [self.key_of(p) for p in bucket.parameters()]
         layers = list(zip(keys, bucket.gradients(), bucket.parameters()))
         bucket_key = f"{keys[0]}..{keys[-1]}[{len(keys)}]" if keys else "empty"
