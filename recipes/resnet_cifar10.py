@@ -52,7 +52,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_gradcomp.cli import CompressedTrainingCLI
@@ -138,6 +138,39 @@ def datasets(kind: str, root: Path) -> tuple[Dataset, Dataset]:
     return train, test
 
 
+def decoded(kind: str, root: Path, train: bool, workers: int) -> TensorDataset:
+    """The whole split decoded once: uint8 images ``(N, 3, 32, 32)`` and labels, in memory."""
+    from torchvision import datasets as tvd
+    from torchvision.transforms import v2
+
+    if kind == "torchvision":
+        ds = tvd.CIFAR10(root, train=train, download=False)
+        images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
+        return TensorDataset(images, torch.tensor(ds.targets))
+    ds = tvd.ImageFolder(root / ("train" if train else "test"), v2.PILToTensor())
+    parts = list(DataLoader(ds, 1000, num_workers=workers))
+    return TensorDataset(torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts]))
+
+
+def augment_on_device(images: torch.Tensor, train: bool) -> torch.Tensor:
+    """What ``datasets``' transforms do, for a uint8 batch already on its device: for training a
+    random 32x32 crop of the zero-padded (4 pixels) image and a horizontal flip, each drawn per
+    image; then scaling to [0, 1] and normalizing."""
+    if train:
+        n = images.shape[0]
+        padded = nn.functional.pad(images, (4, 4, 4, 4))
+        rows = torch.randint(0, 9, (n, 1), device=images.device) + torch.arange(32, device=images.device)
+        cols = torch.randint(0, 9, (n, 1), device=images.device) + torch.arange(32, device=images.device)
+        flip = torch.rand(n, device=images.device) < 0.5
+        cols = torch.where(flip[:, None], cols.flip(1), cols)
+        index = torch.arange(n, device=images.device)[:, None, None, None]
+        channel = torch.arange(3, device=images.device)[None, :, None, None]
+        images = padded[index, channel, rows[:, None, :, None], cols[:, None, None, :]]
+    mean = torch.tensor(MEAN, device=images.device)[:, None, None]
+    std = torch.tensor(STD, device=images.device)[:, None, None]
+    return (images.float() / 255 - mean) / std
+
+
 def subset(ds: Dataset, n: int | None, seed: int) -> Dataset:
     """``n`` random items (the same on every rank: the generator is seeded)."""
     if n is None or n >= len(ds):
@@ -163,6 +196,9 @@ class CIFAR10DataModule(L.LightningDataModule):
         train_subset: train on this many random images (default: all 50,000).
         val_subset: evaluate on this many random test images (default: all 10,000).
         num_workers: data loader workers per process (0: load in the training process; 4 or so on a GPU).
+        preload: decode every image once into memory at setup and crop, flip and normalize each
+            batch on the model's device after transfer (``on_after_batch_transfer``): for GPUs,
+            where decoding and transforming each image in the workers cannot keep up.
         seed: draws the subsets (the CLI links it to ``seed_everything``; the test subset uses seed + 1).
     """
 
@@ -174,6 +210,7 @@ class CIFAR10DataModule(L.LightningDataModule):
         train_subset: int | None = None,
         val_subset: int | None = None,
         num_workers: int = 0,
+        preload: bool = False,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -187,12 +224,17 @@ class CIFAR10DataModule(L.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         root = unpacked_path(self.path, self.cache_dir) if self.kind == "tarball" else self.path
-        train, test = datasets("torchvision" if self.kind == "torchvision" else "folder", root)
+        kind = "torchvision" if self.kind == "torchvision" else "folder"
+        if self.hparams.preload:
+            workers = self.hparams.num_workers
+            train, test = decoded(kind, root, True, workers), decoded(kind, root, False, workers)
+        else:
+            train, test = datasets(kind, root)
         self.train = subset(train, self.hparams.train_subset, self.hparams.seed)
         self.test = subset(test, self.hparams.val_subset, self.hparams.seed + 1)
 
     def train_dataloader(self) -> DataLoader:
-        workers = self.hparams.num_workers
+        workers = 0 if self.hparams.preload else self.hparams.num_workers  # preloaded: nothing to decode
         return DataLoader(
             self.train,
             self.hparams.batch_size,
@@ -203,7 +245,13 @@ class CIFAR10DataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.test, 256, num_workers=self.hparams.num_workers)
+        return DataLoader(self.test, 256, num_workers=0 if self.hparams.preload else self.hparams.num_workers)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if not self.hparams.preload:
+            return batch
+        images, labels = batch
+        return augment_on_device(images, train=self.trainer is not None and self.trainer.training), labels
 
 
 class CIFAR10Classifier(L.LightningModule):

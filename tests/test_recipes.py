@@ -487,3 +487,41 @@ def test_pspnet_trains_with_sgd_or_adamw_and_refuses_other_optimizers():
         assert type(opt) is cls and opt.param_groups[0]["lr"] == 0.01
     with pytest.raises(ValueError, match="optimizer must be 'adamw' or 'sgd'"):
         mod.PSPNetSegmenter(optimizer="rmsprop")
+
+
+def test_cifar_preload_matches_the_per_image_transforms(tmp_path):
+    """``--data.preload``: the decoded test split, normalized on the device, equals what the
+    per-image transforms give; a training batch is, image by image, one of the 162 crops and flips
+    of its zero-padded source, and both draws vary across the batch."""
+    recipe = load_recipe("resnet_cifar10")
+    root = make_imagefolder(tmp_path / "cifar", {"train": 30, "test": 2})
+    train_tf, test_tf = recipe.datasets("folder", root)
+    test = recipe.decoded("folder", root, train=False, workers=0)
+    assert test.tensors[0].dtype == torch.uint8 and test.tensors[0].shape == (6, 3, 32, 32)
+    expected = torch.stack([test_tf[i][0] for i in range(len(test_tf))])
+    assert torch.equal(test.tensors[1], torch.tensor([test_tf[i][1] for i in range(len(test_tf))]))
+    torch.testing.assert_close(recipe.augment_on_device(test.tensors[0], train=False), expected, rtol=0, atol=1e-6)
+
+    train = recipe.decoded("folder", root, train=True, workers=0)
+    images = train.tensors[0]
+    torch.manual_seed(0)
+    out = recipe.augment_on_device(images, train=True)
+    normalized = recipe.augment_on_device(torch.nn.functional.pad(images, (4, 4, 4, 4)), train=False)
+    pad_value = normalized[0, :, 0, 0]  # a zero pixel, normalized
+    offsets, flips = set(), set()
+    for i in range(len(images)):
+        found = [
+            (top, left, flip)
+            for top in range(9)
+            for left in range(9)
+            for flip in (False, True)
+            if torch.equal(
+                out[i],
+                (lambda c: c.flip(-1) if flip else c)(normalized[i, :, top : top + 32, left : left + 32]),
+            )
+        ]
+        assert found, f"image {i} is no crop of its padded source"
+        offsets.add(found[0][:2])
+        flips.add(found[0][2])
+    assert len(offsets) > 5 and flips == {False, True}
+    assert torch.equal(pad_value, (torch.zeros(3) - torch.tensor(recipe.MEAN)) / torch.tensor(recipe.STD))
