@@ -18,9 +18,9 @@ The configuration is ``configs/resnet_cifar10.yaml`` (LightningCLI); run it::
     python recipes/resnet_cifar10.py --trainer.val_check_interval 50 --trainer.check_val_every_n_epoch null \
         --report.metrics_json run.json
 
-    # 4 GPUs, 100 epochs, PowerSGD rank 4
+    # 4 GPUs, 100 epochs, PowerSGD rank 4; images decoded once, augmented on the GPU
     python recipes/resnet_cifar10.py --trainer.accelerator gpu --trainer.devices 4 --trainer.max_epochs 100 \
-        --trainer.strategy.codec powersgd --trainer.strategy.codec_options '{rank: 4}'
+        --trainer.strategy.codec powersgd --trainer.strategy.codec_options '{rank: 4}' --data.preload true
 
     # resume from the last checkpoint
     python recipes/resnet_cifar10.py --ckpt_path lightning_logs/resnet_cifar10/version_0/checkpoints/last.ckpt
