@@ -51,7 +51,7 @@ class CompressedDDPStrategy(DDPStrategy):
             :class:`~lightning_gradcomp.codecs.base.Codec` object.
         codec_options: hyper-parameters of the named codec (``make_codec(codec, **codec_options)``).
             Beside an Adam-like optimizer a named codec takes its ``adaptive_optimizer_defaults``
-            for the options not given here (``lgc``: ``ratio=0.03``).
+            for the options not given here (``lgc``: ``ratio=0.07, dense_layers="none"``).
         stats_every: sample the relative compression error every this many steps.
         nonfinite: what happens when any rank's gradient holds a NaN or an Inf: ``"skip"`` the
             optimizer step on every rank (default), step with the bad buckets ``"zero"``-ed, or
@@ -66,7 +66,8 @@ class CompressedDDPStrategy(DDPStrategy):
             off; ``True``: on with the callback's defaults; a dict: the callback's arguments
             (``{"eta": 0.5, "interval": 50}``); ``None`` (default): on for ``codec="lgc"`` and
             ``codec="gradiveq"`` (measured to train clearly better with it, docs/benchmarks.md;
-            ``gradiveq`` with ``lr_reference="peak"``, its measured rule) and
+            ``gradiveq`` with ``lr_reference="peak"``, its measured rule, and ``lgc`` so beside
+            an Adam-like optimizer: the codec's ``adaptive_optimizer_controller``) and
             ``codec="auto"`` (its accuracy budget: no heavy arm in a critical regime), off for every
             other codec. The codec must be adjustable (``topk``, ``iwp``, ``qsgd``, ``powersgd``,
             ``gradiveq``, ``fft``, ``lgc``, ``auto``). An ``AdaptiveCompression`` among the trainer's callbacks is
@@ -179,7 +180,17 @@ class CompressedDDPStrategy(DDPStrategy):
         changes = {k: v for k, v in defaults.items() if k not in self._options_given}
         if changes:
             self.codec.adopt_defaults(changes)
+            if "dense_layers" in changes and isinstance(self.model, DistributedDataParallel):
+                # the layer plan was made when the hook was registered; no bucket has been sent
+                self.codec.plan_layers(self.model.module.named_parameters())
             log.info(f"{type(self).__name__}: codec {self.codec.name!r} beside an Adam-like optimizer: {changes}")
+        controller = self.codec.adaptive_optimizer_controller
+        callback = self._adaptive_callback
+        if controller and self.adaptive_level is None and callback is not None:
+            # only the controller this strategy attached by default; a user's arguments are kept
+            for name, value in controller.items():
+                setattr(callback, name, value)
+            log.info(f"{type(self).__name__}: its level controller beside an Adam-like optimizer: {dict(controller)}")
 
     def _warn_sparse_codec_with_adaptive_optimizer(self, trainer: pl.Trainer) -> None:
         """Warn once when a sparsifying codec with error feedback meets Adam-like optimizers.
@@ -435,6 +446,7 @@ def _adaptive_callback(adaptive_level: bool | dict[str, Any] | None, codec: Code
             f"adaptive_level: AdaptiveCompression has no argument {', '.join(map(repr, unknown))}. "
             f"Its arguments: {', '.join(known)}"
         )
+    AdaptiveCompression(**{**arguments, **codec.adaptive_optimizer_controller})  # what Adam may switch to is valid
     return AdaptiveCompression(**arguments)
 
 

@@ -375,6 +375,9 @@ class StagesSeen(Callback):
         codec = trainer.strategy.codec
         record = {"stages": self.stages, "total": codec.run_total_steps, "trained": codec.ae_trained}
         record["options"] = [codec.options.ratio, codec.harness.dense_dtype]
+        record["dense"] = sorted(codec.dense_keys)
+        record["compressed"] = sorted(n for n, p in pl_module.named_parameters() if codec.should_compress(n, p))
+        record["lr_reference"] = [cb.lr_reference for cb in trainer.callbacks if hasattr(cb, "lr_reference")]
         record["params"] = float(sum(p.double().sum() for p in pl_module.parameters()))
         Path(self.out_dir, f"stages{trainer.global_rank}.json").write_text(__import__("json").dumps(record))
 
@@ -390,7 +393,7 @@ def test_default_stages_are_fractions_of_the_run(tmp_path, optimizer):
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=CompressedDDPStrategy(codec="lgc", codec_options={"dense_layers": "none"}, start_method="spawn"),
+        strategy=CompressedDDPStrategy(codec="lgc", start_method="spawn"),
         max_steps=40,
         callbacks=[StagesSeen(str(tmp_path))],
         enable_progress_bar=False,
@@ -404,8 +407,17 @@ def test_default_stages_are_fractions_of_the_run(tmp_path, optimizer):
         # 40 steps: stage 1 for 0.05 of them (2 steps), stage 2 for 0.1 (4 steps), then the AE
         assert seen[rank]["total"] == 40 and seen[rank]["trained"]
         assert seen[rank]["stages"] == [1] * 2 + [2] * 4 + [3] * 34
-        # beside AdamW the strategy gave lgc its denser support and bfloat16 dense layers
-        assert seen[rank]["options"] == ([0.03, "bfloat16"] if optimizer == "adamw" else [0.0075, "bfloat16"])
+        # beside AdamW the strategy gave lgc its denser support, compressed the end layers too
+        # (the plan made when the hook was registered is made again) and set the controller's
+        # peak rule; with SGD the small last layer stays exact ("auto") under the previous-step rule
+        if optimizer == "adamw":
+            assert seen[rank]["options"] == [0.07, "bfloat16"] and seen[rank]["dense"] == []
+            assert seen[rank]["lr_reference"] == ["peak"]
+        else:
+            assert seen[rank]["options"] == [0.0075, "bfloat16"]
+            assert seen[rank]["dense"] == ["net.4.bias", "net.4.weight"]
+            assert seen[rank]["lr_reference"] == ["previous"]
+        assert ("net.4.weight" in seen[rank]["compressed"]) is (optimizer == "adamw")
     assert seen[0]["params"] == seen[1]["params"]
 
 

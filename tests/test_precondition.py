@@ -164,7 +164,8 @@ def test_codecs_that_all_reduce_refuse_bfloat16_dense_layers(codec):
         make_codec("topk", dense_dtype="float16")
 
 
-def _strategy_beside(optimizer: str, **kwargs):
+def _set_up_beside(optimizer: str, **kwargs):
+    """A strategy whose optimizers exist, after it adopted what it adopts beside them."""
     from lightning_gradcomp import CompressedDDPStrategy
 
     strategy = CompressedDDPStrategy(**kwargs)
@@ -173,23 +174,46 @@ def _strategy_beside(optimizer: str, **kwargs):
     strategy.optimizers = [opt]
     strategy.hook_state = CodecHookState(strategy.codec)
     strategy._adopt_adaptive_optimizer_defaults()
-    return strategy.codec
+    return strategy
+
+
+def _strategy_beside(optimizer: str, **kwargs):
+    return _set_up_beside(optimizer, **kwargs).codec
 
 
 def test_lgc_beside_adam_keeps_a_denser_support_unless_told_otherwise():
     codec = _strategy_beside("adamw", codec="lgc")
-    assert (codec.options.ratio, codec.harness.dense_dtype) == (0.03, "bfloat16")
-    assert codec.config()["ratio"] == 0.03 and codec.config()["dense_dtype"] == "bfloat16"
+    assert (codec.options.ratio, codec.harness.dense_dtype, codec.harness.dense_layers) == (0.07, "bfloat16", ("none",))
+    assert codec.config()["ratio"] == 0.07 and codec.config()["dense_dtype"] == "bfloat16"
     codec = _strategy_beside("sgd", codec="lgc")  # lgc's dense layers go in bfloat16 with any optimizer
-    assert (codec.options.ratio, codec.harness.dense_dtype) == (0.0075, "bfloat16")
+    sgd = (codec.options.ratio, codec.harness.dense_dtype, codec.harness.dense_layers)
+    assert sgd == (0.0075, "bfloat16", ("auto",))
     # what the user set stays; a codec built by the user is kept as it is
-    codec = _strategy_beside("adamw", codec="lgc", codec_options={"ratio": 0.02, "dense_dtype": "float32"})
-    assert (codec.options.ratio, codec.harness.dense_dtype) == (0.02, "float32")
+    codec = _strategy_beside(
+        "adamw", codec="lgc", codec_options={"ratio": 0.02, "dense_dtype": "float32", "dense_layers": "auto"}
+    )
+    assert (codec.options.ratio, codec.harness.dense_dtype, codec.harness.dense_layers) == (0.02, "float32", ("auto",))
     codec = _strategy_beside("adamw", codec=make_codec("lgc", ratio=0.02))
     assert codec.options.ratio == 0.02
     # codecs without such defaults are left alone
     codec = _strategy_beside("adamw", codec="iwp")
     assert codec.config() == make_codec("iwp").config()
+
+
+def _controller_beside(optimizer: str, **kwargs):
+    return _set_up_beside(optimizer, **kwargs)._adaptive_callback
+
+
+def test_lgc_beside_adam_takes_the_peak_rule_only_for_the_controller_it_attached_by_default():
+    assert _controller_beside("adamw", codec="lgc").lr_reference == "peak"
+    assert _controller_beside("sgd", codec="lgc").lr_reference == "previous"
+    # the user's own arguments, and a controller the user switched on, are kept as given
+    assert _controller_beside("adamw", codec="lgc", adaptive_level={"eta": 0.5}).lr_reference == "previous"
+    assert _controller_beside("adamw", codec="lgc", adaptive_level=True).lr_reference == "previous"
+    assert _controller_beside("adamw", codec="lgc", adaptive_level=False) is None
+    # gradiveq's own rule is the peak one with any optimizer; topk has no controller by default
+    assert _controller_beside("adamw", codec="gradiveq").lr_reference == "peak"
+    assert _controller_beside("adamw", codec="topk") is None
 
 
 def test_topk_keeps_its_residual_in_gradient_units_unless_told_otherwise():

@@ -184,7 +184,8 @@ class Codec:
 
     - :attr:`collective` (how payloads combine, see the module docstring), :attr:`Options` (its
       hyper-parameters), :attr:`harness_defaults`, :attr:`wire_dtype`, :attr:`sparse_local`,
-      :attr:`adaptive_by_default`, :attr:`adaptive_optimizer_defaults`;
+      :attr:`adaptive_by_default`, :attr:`adaptive_optimizer_defaults`,
+      :attr:`adaptive_optimizer_controller`;
     - :meth:`aggregate` (``allgather`` codecs, to be faster than decoding one payload at a time),
       :meth:`error_bound` (checked by the property tests), :meth:`is_compressing` (a warm-up),
       :meth:`check_harness` (refuse a harness option it cannot run with).
@@ -220,6 +221,10 @@ class Codec:
     #: gradient scale (Adam and its kin) and the user did not set them: for codecs measured to
     #: need another level there
     adaptive_optimizer_defaults: ClassVar[Mapping[str, Any]] = {}
+    #: arguments of the level controller that ``CompressedDDPStrategy`` attaches by default
+    #: (``adaptive_level=None`` and :attr:`adaptive_by_default`) that differ beside such an
+    #: optimizer (``{"lr_reference": "peak"}``)
+    adaptive_optimizer_controller: ClassVar[Mapping[str, Any]] = {}
 
     def __init__(self, **options: Any) -> None:
         own = {f.name for f in dataclasses.fields(self.Options)}
