@@ -200,8 +200,9 @@ class CompressedDDPStrategy(DDPStrategy):
         per-coordinate scaling (its second moment) treats as a single large value. On PSPNet/CamVid
         with AdamW this cost 5-7 points of mIoU where codecs that send a dense update lost about
         one; ``adaptive_level=True`` narrowed it to about four for ``lgc`` with its learned code
-        carrying the values, and ``lgc``'s denser support beside Adam (its
-        ``adaptive_optimizer_defaults``) to 2.7 (docs/benchmarks.md, "Segmentation"). SGD with
+        carrying the values, and ``lgc``'s defaults beside Adam (its
+        ``adaptive_optimizer_defaults``: a 7 % support, the end layers compressed, the
+        controller's peak rule) to 1.3 (docs/codecs/lgc.md, "Beside Adam"). SGD with
         momentum is no remedy there: the same
         recipe with SGD lost 13.6 points with ``lgc``. A warning, not an error: nothing is wrong,
         it is a measured loss of accuracy the user should know of.
@@ -215,11 +216,11 @@ class CompressedDDPStrategy(DDPStrategy):
 
             controlled = any(isinstance(cb, AdaptiveCompression) for cb in trainer.callbacks)
             remedy = (
-                "the level controller (on here) compresses lightly in the critical phases; with it and a 3 % "
-                "support (lgc's defaults beside Adam) lgc measured -2.7"
+                "the level controller (on here) compresses lightly in the critical phases; with it and a 7 % "
+                "support (lgc's defaults beside Adam) lgc measured -1.3"
                 if controlled
-                else "compressing lightly in the critical phases (adaptive_level=True) with a 3 % support (lgc's "
-                "defaults beside Adam) brought lgc to -2.7"
+                else "compressing lightly in the critical phases (adaptive_level=None, lgc's default) with a 7 % "
+                "support (lgc's defaults beside Adam) brought lgc to -1.3"
             )
             rank_zero_warn(
                 f"codec {codec.name!r} sends a sparse part of each layer and delays the rest (error feedback); "
