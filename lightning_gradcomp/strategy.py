@@ -219,8 +219,8 @@ class CompressedDDPStrategy(DDPStrategy):
                 "the level controller (on here) compresses lightly in the critical phases; with it and a 7 % "
                 "support (lgc's defaults beside Adam) lgc measured -1.3"
                 if controlled
-                else "compressing lightly in the critical phases (adaptive_level=None, lgc's default) with a 7 % "
-                "support (lgc's defaults beside Adam) brought lgc to -1.3"
+                else "compressing lightly in the critical phases (adaptive_level=True) with a 7 % support (lgc's "
+                "defaults beside Adam, where its controller is on) brought lgc to -1.3"
             )
             rank_zero_warn(
                 f"codec {codec.name!r} sends a sparse part of each layer and delays the rest (error feedback); "

@@ -57,7 +57,8 @@ class Net(pl.LightningModule):
     """A 16-64-64-4 MLP (two layers of >= 1024 entries, so default ``min_numel`` compresses them).
 
     ``bad_step``/``bad_rank``/``bad_value``: multiply the loss by ``bad_value`` (NaN or Inf) on one
-    rank at one optimizer step. ``unused``: a layer that never gets a gradient.
+    rank at one optimizer step. ``unused``: a layer that never gets a gradient. ``optimizer``:
+    ``"sgd"`` (``lr``, ``momentum``) or ``"adamw"`` (``lr / 10``).
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class Net(pl.LightningModule):
         batch_size: int = 8,
         dtype: str = "float32",
         step_data: bool = False,
+        optimizer: str = "sgd",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -103,6 +105,8 @@ class Net(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
+        if self.hparams.optimizer == "adamw":  # per-coordinate step sizes: codecs take other defaults
+            return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr / 10)
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
 
     def train_dataloader(self) -> DataLoader:

@@ -306,11 +306,19 @@ def resume_results(tmp_path_factory) -> dict[str, list[list[dict]]]:
         model = {"step_data": True, "momentum": 0.9}
         runs.append({"codec": c, "codec_options": _previous_options(c), "max_steps": STEPS, "model": model})
         runs[-1]["adaptive_level"] = False
+    # lgc beside AdamW: the options, the layer plan and the controller's rule it takes there are
+    # set again when the run resumes, as the run that wrote the checkpoint set them
+    adamw = tmp_path_factory.mktemp("resume-lgc-adamw")
+    common = {"codec": "lgc", "codec_options": short_options("lgc"), "max_steps": STEPS}
+    common["model"] = {"step_data": True, "optimizer": "adamw"}
+    runs.append({**common, "ckpt_dir": str(adamw), "ckpt_every": CUT})
+    runs.append({**common, "ckpt_path": str(adamw / f"step={CUT}.ckpt"), "weights_only": True})
     results = _lightning(runs, timeout=600)
     out = {c: (results[2 * i], results[2 * i + 1], dirs[c]) for i, c in enumerate(present)}
     first = 2 * len(present)
     out.update({f"previous:{c}": results[first + i] for i, c in enumerate(previous)})
     out.update({f"plain:{c}": results[first + len(previous) + i] for i, c in enumerate(controlled)})
+    out["adamw:lgc"] = (results[-2], results[-1], adamw)
     return out
 
 
@@ -352,6 +360,17 @@ def test_resume_matches_uninterrupted(resume_results, codec: str) -> None:
         mine = {k[len("residual.") :]: v for k, v in saved["ranks"][r].items() if k.startswith("residual.")}
         assert same(mine, before[CUT]["residuals"])
     _assert_continues_exactly(full, resumed, codec)
+
+
+def test_lgc_beside_adamw_resumes_like_an_uninterrupted_run(resume_results) -> None:
+    full, resumed, ckpt_dir = resume_results["adamw:lgc"]
+    saved = torch.load(ckpt_dir / f"step={CUT}.ckpt", weights_only=True)
+    assert saved["gradcomp"]["codec"] == "lgc" and saved["gradcomp"]["shared"]["step"] == CUT
+    assert any("AdaptiveCompression" in key for key in saved["callbacks"])  # the controller came along
+    options = saved["gradcomp"]["options"]  # the defaults beside Adam, the end layer compressed too
+    assert options["ratio"] == 0.07 and tuple(options["dense_layers"]) == ("none",)
+    assert "residual.body.4.weight" in saved["gradcomp"]["ranks"][0]
+    _assert_continues_exactly(full, resumed, "lgc")
 
 
 @pytest.mark.parametrize("codec", PREVIOUS_CODECS)
