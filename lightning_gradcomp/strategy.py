@@ -167,16 +167,17 @@ class CompressedDDPStrategy(DDPStrategy):
 
     def _adopt_adaptive_optimizer_defaults(self) -> None:
         """Beside an Adam-like optimizer, set the codec's ``adaptive_optimizer_defaults`` for the
-        options the user did not give (a codec given as an object is kept as it is). The
-        optimizers exist only now, after the hook was set up and the ranks compared the codec's
-        options, but before the first step; every rank builds the same optimizers, so every rank
-        makes the same change."""
-        defaults = self.codec.adaptive_optimizer_defaults
-        if not defaults or self._options_given is None or self.hook_state is None:
+        options the user did not give, and its ``adaptive_optimizer_controller`` on the level
+        controller this strategy attached by default (a codec given as an object is kept as it
+        is, with its controller). The optimizers exist only now, after the hook was set up and
+        the ranks compared the codec's options, but before the first step; every rank builds the
+        same optimizers, so every rank makes the same change."""
+        if self._options_given is None or self.hook_state is None:
             return
         if not any(_is_adaptive(g) for opt in self.optimizers for g in opt.param_groups):
             return
         # a resumed run takes them again, as the run that wrote its checkpoint did
+        defaults = self.codec.adaptive_optimizer_defaults
         changes = {k: v for k, v in defaults.items() if k not in self._options_given}
         if changes:
             self.codec.adopt_defaults(changes)
@@ -447,7 +448,8 @@ def _adaptive_callback(adaptive_level: bool | dict[str, Any] | None, codec: Code
             f"adaptive_level: AdaptiveCompression has no argument {', '.join(map(repr, unknown))}. "
             f"Its arguments: {', '.join(known)}"
         )
-    AdaptiveCompression(**{**arguments, **codec.adaptive_optimizer_controller})  # what Adam may switch to is valid
+    if codec.adaptive_optimizer_controller:  # what an Adam-like optimizer switches to is valid too
+        AdaptiveCompression(**{**arguments, **codec.adaptive_optimizer_controller})
     return AdaptiveCompression(**arguments)
 
 

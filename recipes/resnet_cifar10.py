@@ -41,6 +41,7 @@ Logged to TensorBoard: ``train/loss``, ``train/acc``, ``val/loss``, ``val/acc`` 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -152,6 +153,12 @@ def decoded(kind: str, root: Path, train: bool, workers: int) -> TensorDataset:
     return TensorDataset(torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts]))
 
 
+@functools.cache
+def _normalization(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``MEAN`` and ``STD`` as ``(3, 1, 1)`` tensors on ``device``, copied there once, not per batch."""
+    return torch.tensor(MEAN, device=device)[:, None, None], torch.tensor(STD, device=device)[:, None, None]
+
+
 def augment_on_device(images: torch.Tensor, train: bool) -> torch.Tensor:
     """What ``datasets``' transforms do, for a uint8 batch already on its device: for training a
     random 32x32 crop of the zero-padded (4 pixels) image and a horizontal flip, each drawn per
@@ -166,8 +173,7 @@ def augment_on_device(images: torch.Tensor, train: bool) -> torch.Tensor:
         index = torch.arange(n, device=images.device)[:, None, None, None]
         channel = torch.arange(3, device=images.device)[None, :, None, None]
         images = padded[index, channel, rows[:, None, :, None], cols[:, None, None, :]]
-    mean = torch.tensor(MEAN, device=images.device)[:, None, None]
-    std = torch.tensor(STD, device=images.device)[:, None, None]
+    mean, std = _normalization(images.device)
     return (images.float() / 255 - mean) / std
 
 
@@ -233,8 +239,13 @@ class CIFAR10DataModule(L.LightningDataModule):
         self.train = subset(train, self.hparams.train_subset, self.hparams.seed)
         self.test = subset(test, self.hparams.val_subset, self.hparams.seed + 1)
 
+    @property
+    def loader_workers(self) -> int:
+        """Workers of the training and test loaders: none for preloaded images, nothing to decode."""
+        return 0 if self.hparams.preload else self.hparams.num_workers
+
     def train_dataloader(self) -> DataLoader:
-        workers = 0 if self.hparams.preload else self.hparams.num_workers  # preloaded: nothing to decode
+        workers = self.loader_workers
         return DataLoader(
             self.train,
             self.hparams.batch_size,
@@ -245,7 +256,7 @@ class CIFAR10DataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.test, 256, num_workers=0 if self.hparams.preload else self.hparams.num_workers)
+        return DataLoader(self.test, 256, num_workers=self.loader_workers)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if not self.hparams.preload:
