@@ -34,6 +34,11 @@ CHECKPOINT_KEY = "gradcomp"
 _CHECKPOINT_VERSION = 1
 
 
+def _plain(value: Any) -> Any:
+    """An option's value as a checkpoint records it (tuples as lists), for comparing."""
+    return list(value) if isinstance(value, tuple) else value
+
+
 def _is_adaptive(param_group: dict[str, Any]) -> bool:
     """Adam and its kin: per-coordinate step sizes from moving averages of their own (``betas``)."""
     return "betas" in param_group
@@ -133,6 +138,11 @@ class CompressedDDPStrategy(DDPStrategy):
         )
         self.hook_state: CodecHookState | None = None
         self._pending_checkpoint: dict[str, Any] | None = None
+        # the gradcomp part of the checkpoint this run resumed from (its codec's options, and what
+        # that run took beside an Adam-like optimizer), kept until setup has used it
+        self._resumed_from: dict[str, Any] | None = None
+        # what this run took beside an Adam-like optimizer; its checkpoints record it
+        self._optimizer_defaults: dict[str, dict[str, Any]] = {"options": {}, "controller": {}}
 
     # ----------------------------------------------------------------------------------------------
     @override
@@ -163,6 +173,8 @@ class CompressedDDPStrategy(DDPStrategy):
                 trainer.callbacks.append(callback)
         self._check_optimizer_momentum()
         self._adopt_adaptive_optimizer_defaults()
+        self._warn_options_differ_from_checkpoint()
+        self._resumed_from = None
         self._warn_sparse_codec_with_adaptive_optimizer(trainer)
 
     def _adopt_adaptive_optimizer_defaults(self) -> None:
@@ -171,27 +183,66 @@ class CompressedDDPStrategy(DDPStrategy):
         controller this strategy attached by default (a codec given as an object is kept as it
         is, with its controller). The optimizers exist only now, after the hook was set up and
         the ranks compared the codec's options, but before the first step; every rank builds the
-        same optimizers, so every rank makes the same change."""
+        same optimizers, so every rank makes the same change. A resumed run takes what its
+        checkpoint recorded instead (for a checkpoint of an earlier version, which recorded only
+        its options: their values, and the controller's default rule), so that a run goes on with
+        the settings it started with when a later version changes these defaults."""
+        self._optimizer_defaults = {"options": {}, "controller": {}}
         if self._options_given is None or self.hook_state is None:
             return
         if not any(_is_adaptive(g) for opt in self.optimizers for g in opt.param_groups):
             return
-        # a resumed run takes them again, as the run that wrote its checkpoint did
-        defaults = self.codec.adaptive_optimizer_defaults
-        changes = {k: v for k, v in defaults.items() if k not in self._options_given}
+        defaults = dict(self.codec.adaptive_optimizer_defaults)
+        controller = dict(self.codec.adaptive_optimizer_controller)
+        resumed = self._resumed_from
+        if resumed is not None:
+            # a resumed run takes what the run that wrote its checkpoint took, even where this
+            # version's defaults differ: the run goes on as it started
+            recorded = resumed.get("optimizer_defaults")
+            if recorded is not None:
+                defaults, controller = dict(recorded["options"]), dict(recorded["controller"])
+            else:
+                # written before checkpoints recorded it: the values that run had for the options
+                # this version adopts, and the controller's arguments of then (its default rule)
+                saved = resumed.get("options", {})
+                defaults, controller = {k: saved[k] for k in defaults if k in saved}, {}
+        current = self.codec.config()
+        changes = {
+            k: v for k, v in defaults.items() if k not in self._options_given and _plain(current.get(k)) != _plain(v)
+        }
         if changes:
             self.codec.adopt_defaults(changes)
             if "dense_layers" in changes and isinstance(self.model, DistributedDataParallel):
                 # the layer plan was made when the hook was registered; no bucket has been sent
                 self.codec.plan_layers(self.model.module.named_parameters())
             log.info(f"{type(self).__name__}: codec {self.codec.name!r} beside an Adam-like optimizer: {changes}")
-        controller = self.codec.adaptive_optimizer_controller
+        config = self.codec.config()  # the values as the codec holds them (a layer policy as a list)
+        taken = {k: config[k] for k in defaults if k not in self._options_given}
+        self._optimizer_defaults["options"] = taken
         callback = self._adaptive_callback
         if controller and self.adaptive_level is None and callback is not None:
             # only the controller this strategy attached by default; a user's arguments are kept
             for name, value in controller.items():
                 setattr(callback, name, value)
-            log.info(f"{type(self).__name__}: its level controller beside an Adam-like optimizer: {dict(controller)}")
+            self._optimizer_defaults["controller"] = controller
+            log.info(f"{type(self).__name__}: its level controller beside an Adam-like optimizer: {controller}")
+
+    def _warn_options_differ_from_checkpoint(self) -> None:
+        """A run resumed with codec options other than those its checkpoint recorded goes on with
+        its own (the residuals and learned state are restored all the same); say which differ, so
+        that a change of settings, or of a default between versions, is not silent."""
+        saved = (self._resumed_from or {}).get("options")
+        if not saved:
+            return
+        current = self.codec.config()
+        differ = sorted(k for k in saved.keys() & current.keys() if _plain(saved[k]) != _plain(current[k]))
+        if differ:
+            pairs = ", ".join(f"{k}={_plain(saved[k])!r} there, {_plain(current[k])!r} here" for k in differ)
+            rank_zero_warn(
+                f"the checkpoint's codec {self.codec.name!r} ran with other options than this run: {pairs}. "
+                "The run goes on with this run's options; give the checkpoint's in codec_options to continue "
+                "as it ran."
+            )
 
     def _warn_sparse_codec_with_adaptive_optimizer(self, trainer: pl.Trainer) -> None:
         """Warn once when a sparsifying codec with error feedback meets Adam-like optimizers.
@@ -378,6 +429,7 @@ class CompressedDDPStrategy(DDPStrategy):
             "version": _CHECKPOINT_VERSION,
             "codec": self.codec.name,
             "options": self.codec.config(),
+            "optimizer_defaults": self._optimizer_defaults,
             "world_size": len(ranks),
             "shared": state.state_dict(),
             "ranks": ranks,
@@ -390,6 +442,7 @@ class CompressedDDPStrategy(DDPStrategy):
                 "the codec starts fresh (no residuals, no learned state)"
             )
             return
+        self._resumed_from = saved
         state.load_state_dict(saved["shared"])
         world = dist.get_world_size() if dist.is_initialized() else 1
         if saved["world_size"] != world:

@@ -240,6 +240,7 @@ def _fit(rank: int, world: int, run: dict[str, Any]) -> dict[str, Any]:
     out["hook_step"] = None if st is None else st.step
     out["fallback"] = None if st is None else {**st.fallback.state_dict(), "enabled": st.fallback.enabled}
     out["final"] = flat_params(model)
+    out["codec_config"] = strategy.codec.config()
     return out
 
 

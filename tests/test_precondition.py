@@ -7,6 +7,8 @@ sparsifier should keep the coordinates with the largest ``|x| / sqrt(v)``, not t
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from dist_utils import run_gloo
@@ -164,11 +166,13 @@ def test_codecs_that_all_reduce_refuse_bfloat16_dense_layers(codec):
         make_codec("topk", dense_dtype="float16")
 
 
-def _set_up_beside(optimizer: str, **kwargs):
-    """A strategy whose optimizers exist, after it adopted what it adopts beside them."""
+def _set_up_beside(optimizer: str, resumed_from: dict | None = None, **kwargs):
+    """A strategy whose optimizers exist, after it adopted what it adopts beside them
+    (``resumed_from``: the gradcomp part of a checkpoint it resumed from)."""
     from lightning_gradcomp import CompressedDDPStrategy
 
     strategy = CompressedDDPStrategy(**kwargs)
+    strategy._resumed_from = resumed_from
     w = nn.Parameter(torch.ones(3))
     opt = torch.optim.AdamW([w]) if optimizer == "adamw" else torch.optim.SGD([w], lr=0.1, momentum=0.9)
     strategy.optimizers = [opt]
@@ -214,6 +218,29 @@ def test_lgc_beside_adam_takes_the_peak_rule_only_for_the_controller_it_attached
     # gradiveq's own rule is the peak one with any optimizer; topk has no controller by default
     assert _controller_beside("adamw", codec="gradiveq").lr_reference == "peak"
     assert _controller_beside("adamw", codec="topk") is None
+
+
+def test_a_resumed_run_takes_what_its_checkpoint_took_beside_adam_and_names_options_that_differ():
+    # recorded by the run that wrote it: taken again, whatever this version's defaults
+    recorded = {"options": {"ratio": 0.05}, "controller": {}}
+    strategy = _set_up_beside("adamw", codec="lgc", resumed_from={"optimizer_defaults": recorded})
+    assert strategy.codec.options.ratio == 0.05 and strategy.codec.harness.dense_layers == ("auto",)
+    assert strategy._adaptive_callback.lr_reference == "previous"
+    assert strategy._optimizer_defaults == {"options": {"ratio": 0.05}, "controller": {}}
+    # an earlier version's checkpoint records only its options: their values, the default rule
+    saved = {"options": {**make_codec("lgc").config(), "ratio": 0.03}}
+    strategy = _set_up_beside("adamw", codec="lgc", resumed_from=saved)
+    assert strategy.codec.options.ratio == 0.03 and strategy.codec.harness.dense_layers == ("auto",)
+    assert strategy._adaptive_callback.lr_reference == "previous"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy._warn_options_differ_from_checkpoint()  # the same options: nothing to say
+    # options the user gave win over the checkpoint's, and the run says which differ
+    strategy = _set_up_beside("adamw", codec="lgc", codec_options={"ratio": 0.02}, resumed_from=saved)
+    assert strategy.codec.options.ratio == 0.02
+    with pytest.warns(UserWarning, match=r"ratio=0\.03 there, 0\.02 here") as caught:
+        strategy._warn_options_differ_from_checkpoint()
+    assert "dense_layers" not in str(caught[0].message)
 
 
 def test_topk_keeps_its_residual_in_gradient_units_unless_told_otherwise():

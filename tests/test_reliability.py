@@ -277,6 +277,10 @@ PREVIOUS_CODECS = ["topk", "fft", "gradiveq", "lgc", "powersgd"]
 # defaults changed since those checkpoints were written: the runs compared with them take the
 # values the checkpoints were written with (lgc: its dense layers in fp32, a 1 % support)
 PREVIOUS_OPTIONS = {"lgc": {"dense_dtype": "float32", "ratio": 0.01}}
+# lgc beside AdamW at step CUT, written by commit ee6e149: before lgc took a 7 % support with the
+# end layers compressed and the controller's peak rule there, it took a 3 % support alone
+PREVIOUS_ADAMW = HERE / "data" / "checkpoints_ee6e149" / "lgc_adamw.ckpt"
+PREVIOUS_ADAMW_OPTIONS = {"ratio": 0.03, "dense_layers": "auto"}
 
 
 def _previous_options(codec: str) -> dict:
@@ -313,12 +317,24 @@ def resume_results(tmp_path_factory) -> dict[str, list[list[dict]]]:
     common["model"] = {"step_data": True, "optimizer": "adamw"}
     runs.append({**common, "ckpt_dir": str(adamw), "ckpt_every": CUT})
     runs.append({**common, "ckpt_path": str(adamw / f"step={CUT}.ckpt"), "weights_only": True})
+    # the earlier version's checkpoint beside AdamW, resumed with no options, and this version's
+    # run with the options and the controller's rule that version took
+    runs.append({**common, "ckpt_path": str(PREVIOUS_ADAMW), "weights_only": True})
+    runs.append({**common, "codec_options": {**common["codec_options"], **PREVIOUS_ADAMW_OPTIONS}})
+    runs[-1]["adaptive_level"] = True
+    # a checkpoint records what its run took beside Adam: that wins over this version's defaults
+    edited = torch.load(PREVIOUS_ADAMW, weights_only=True)
+    edited["gradcomp"]["optimizer_defaults"] = {"options": {"ratio": 0.05}, "controller": {"lr_reference": "peak"}}
+    torch.save(edited, adamw / "recorded.ckpt")
+    runs.append({**common, "ckpt_path": str(adamw / "recorded.ckpt"), "weights_only": True})
     results = _lightning(runs, timeout=600)
     out = {c: (results[2 * i], results[2 * i + 1], dirs[c]) for i, c in enumerate(present)}
     first = 2 * len(present)
     out.update({f"previous:{c}": results[first + i] for i, c in enumerate(previous)})
     out.update({f"plain:{c}": results[first + len(previous) + i] for i, c in enumerate(controlled)})
-    out["adamw:lgc"] = (results[-2], results[-1], adamw)
+    out["adamw:lgc"] = (results[-5], results[-4], adamw)
+    out["previous-adamw:lgc"] = (results[-2], results[-3])
+    out["recorded-adamw:lgc"] = results[-1]
     return out
 
 
@@ -370,7 +386,27 @@ def test_lgc_beside_adamw_resumes_like_an_uninterrupted_run(resume_results) -> N
     options = saved["gradcomp"]["options"]  # the defaults beside Adam, the end layer compressed too
     assert options["ratio"] == 0.07 and tuple(options["dense_layers"]) == ("none",)
     assert "residual.body.4.weight" in saved["gradcomp"]["ranks"][0]
+    # and what the run took there, which a resumed run takes again
+    recorded = saved["gradcomp"]["optimizer_defaults"]
+    assert recorded == {"options": {"ratio": 0.07, "dense_layers": ["none"]}, "controller": {"lr_reference": "peak"}}
     _assert_continues_exactly(full, resumed, "lgc")
+
+
+def test_lgc_beside_adamw_resumes_a_previous_version_as_it_ran(resume_results) -> None:
+    """A checkpoint written before lgc's defaults beside Adam changed (3 % support, end layer
+    exact, the controller's default rule) resumes with those settings, not this version's, and
+    continues exactly like this version's run given them; a checkpoint that records what its run
+    took beside Adam resumes with that alone (here a ratio, so the end layer stays exact)."""
+    saved = torch.load(PREVIOUS_ADAMW, weights_only=True)["gradcomp"]
+    assert saved["shared"]["step"] == CUT and "optimizer_defaults" not in saved
+    assert saved["options"]["ratio"] == 0.03 and saved["options"]["dense_layers"] == ["auto"]
+    full, resumed = resume_results["previous-adamw:lgc"]
+    for r in range(2):
+        assert resumed[r]["codec_config"]["ratio"] == 0.03 and resumed[r]["codec_config"]["dense_layers"] == ["auto"]
+    _assert_continues_exactly(full, resumed, "lgc")
+    for out in resume_results["recorded-adamw:lgc"]:
+        assert out["error"] is None, out.get("message")
+        assert out["codec_config"]["ratio"] == 0.05 and out["codec_config"]["dense_layers"] == ["auto"]
 
 
 @pytest.mark.parametrize("codec", PREVIOUS_CODECS)
