@@ -294,9 +294,9 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
     # beside Adam a coordinate that arrives every k steps moves about sqrt(k) times less than
     # with a dense update, so the support is denser there (7 %), paid for by compressing the stem
     # too, and the controller counts each halving of a smooth decay as a drop: PSPNet/CamVid,
-    # AdamW, four seeds: -1.3 mIoU against none at a steady ratio of 53.1, against -2.7 at 64.4
-    # for a 3 % support with the stem exact and -1.6 for 7 % under the previous-step rule
-    # (docs/codecs/lgc.md, "Beside Adam")
+    # AdamW: -1.3 mIoU against none on seeds 0-3 (-1.9 over seeds 0-5) at a steady ratio of
+    # 53.1, against -2.7 at 64.4 for a 3 % support with the stem exact and -1.6 for 7 % under
+    # the previous-step rule, seeds 0-3 (docs/codecs/lgc.md, "Beside Adam")
     adaptive_optimizer_defaults = {"ratio": 0.07, "dense_layers": "none"}
     adaptive_optimizer_controller = {"lr_reference": "peak"}
 
