@@ -34,11 +34,6 @@ CHECKPOINT_KEY = "gradcomp"
 _CHECKPOINT_VERSION = 1
 
 
-def _plain(value: Any) -> Any:
-    """An option's value as a checkpoint records it (tuples as lists), for comparing."""
-    return list(value) if isinstance(value, tuple) else value
-
-
 def _is_adaptive(param_group: dict[str, Any]) -> bool:
     """Adam and its kin: per-coordinate step sizes from moving averages of their own (``betas``)."""
     return "betas" in param_group
@@ -206,17 +201,16 @@ class CompressedDDPStrategy(DDPStrategy):
                 # this version adopts, and the controller's arguments of then (its default rule)
                 saved = resumed.get("options", {})
                 defaults, controller = {k: saved[k] for k in defaults if k in saved}, {}
+        # config() holds the values as a checkpoint records them (a layer policy as a list)
         current = self.codec.config()
-        changes = {
-            k: v for k, v in defaults.items() if k not in self._options_given and _plain(current.get(k)) != _plain(v)
-        }
+        changes = {k: v for k, v in defaults.items() if k not in self._options_given and current.get(k) != v}
         if changes:
             self.codec.adopt_defaults(changes)
             if "dense_layers" in changes and isinstance(self.model, DistributedDataParallel):
                 # the layer plan was made when the hook was registered; no bucket has been sent
                 self.codec.plan_layers(self.model.module.named_parameters())
             log.info(f"{type(self).__name__}: codec {self.codec.name!r} beside an Adam-like optimizer: {changes}")
-        config = self.codec.config()  # the values as the codec holds them (a layer policy as a list)
+        config = self.codec.config() if changes else current
         taken = {k: config[k] for k in defaults if k not in self._options_given}
         self._optimizer_defaults["options"] = taken
         callback = self._adaptive_callback
@@ -235,9 +229,9 @@ class CompressedDDPStrategy(DDPStrategy):
         if not saved:
             return
         current = self.codec.config()
-        differ = sorted(k for k in saved.keys() & current.keys() if _plain(saved[k]) != _plain(current[k]))
+        differ = sorted(k for k in saved.keys() & current.keys() if saved[k] != current[k])
         if differ:
-            pairs = ", ".join(f"{k}={_plain(saved[k])!r} there, {_plain(current[k])!r} here" for k in differ)
+            pairs = ", ".join(f"{k}={saved[k]!r} there, {current[k]!r} here" for k in differ)
             rank_zero_warn(
                 f"the checkpoint's codec {self.codec.name!r} ran with other options than this run: {pairs}. "
                 "The run goes on with this run's options; give the checkpoint's in codec_options to continue "
