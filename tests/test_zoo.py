@@ -72,3 +72,25 @@ def test_mlp_names_and_size():
     assert [n for n, _ in model.named_parameters()] == [f"{i}.{k}" for i in (0, 2, 4) for k in ("weight", "bias")]
     assert sum(p.numel() for p in model.parameters()) == 85_002
     assert zoo.mlp(32, 8, 3, hidden_layers=1)(torch.randn(5, 32)).shape == (5, 3)
+
+
+def test_the_link_benchmark_pspnet18_is_the_segmentation_recipes_model_and_batch():
+    """``bench link --model pspnet18`` times what ``recipes/pspnet_camvid.py`` trains and sends."""
+    import importlib.util
+    from pathlib import Path
+
+    from lightning_gradcomp.bench import models
+
+    spec = importlib.util.spec_from_file_location(
+        "recipe_pspnet_camvid", Path(__file__).resolve().parents[1] / "recipes" / "pspnet_camvid.py"
+    )
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    ours = models.build_model("pspnet18").state_dict()
+    theirs = recipe.PSPNetSegmenter().model.state_dict()
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
+    assert sum(v.numel() for k, v in ours.items() if "running" not in k and "num_batches" not in k) == 882_475
+    data = recipe.CamVidDataModule()
+    x, y = models.synthetic_batch("pspnet18", models.DEFAULT_BATCH["pspnet18"])
+    assert x.shape == (data.hparams.batch_size, 3, data.hparams.crop_size, data.hparams.crop_size)
+    assert y.shape == x.shape[:1] + x.shape[2:] and int(y.max()) < len(recipe.CLASSES)

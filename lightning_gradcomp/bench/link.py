@@ -90,8 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-floor", action="store_true", help="skip the no-communication floor")
     p.add_argument("--rates", default="10mbit,100mbit,1gbit", help="comma list of tc rates")
     p.add_argument("--hosts", default="2", help="comma list of host counts, e.g. 2,4")
-    p.add_argument("--model", default="resnet18", choices=["resnet18", "pspnet", "tiny"])
-    p.add_argument("--batch-size", type=int, default=None, help="per rank (default 32 for resnet18, 8 for pspnet)")
+    p.add_argument("--model", default="resnet18", choices=["resnet18", "pspnet", "pspnet18", "tiny"])
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="per rank (default 32 for resnet18, 8 for pspnet, 4 for pspnet18)"
+    )
     p.add_argument("--image-size", type=int, default=None)
     p.add_argument("--warmup", type=int, default=3, help="at least this many unmeasured steps per codec")
     p.add_argument(

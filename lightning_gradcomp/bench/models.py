@@ -12,11 +12,11 @@ from torch import Tensor, nn
 
 __all__ = ["DEFAULT_BATCH", "MODELS", "NUM_CLASSES", "build_model", "input_shape", "loss_fn", "synthetic_batch"]
 
-MODELS = ("resnet18", "resnet50", "pspnet", "tiny", "mlp")
+MODELS = ("resnet18", "resnet50", "pspnet", "pspnet18", "tiny", "mlp")
 #: per-rank batch used when none is given: ResNet-18 as in the reference measurements
-DEFAULT_BATCH = {"resnet18": 32, "resnet50": 32, "pspnet": 8, "tiny": 16, "mlp": 32}
+DEFAULT_BATCH = {"resnet18": 32, "resnet50": 32, "pspnet": 8, "pspnet18": 4, "tiny": 16, "mlp": 32}
 #: CamVid has 11 classes plus "void"; CIFAR-10 has 10; ImageNet 1000
-NUM_CLASSES = {"resnet18": 10, "resnet50": 1000, "pspnet": 12, "tiny": 10, "mlp": 10}
+NUM_CLASSES = {"resnet18": 10, "resnet50": 1000, "pspnet": 12, "pspnet18": 11, "tiny": 10, "mlp": 10}
 #: input features of ``mlp``
 MLP_FEATURES = 32
 
@@ -25,7 +25,9 @@ def build_model(name: str) -> nn.Module:
     """``resnet18``: torchvision's ResNet-18 in CIFAR shape (:func:`lightning_gradcomp.zoo.cifar_resnet`,
     11,173,962 parameters); ``pspnet``: segmentation-models-pytorch's PSPNet with its default
     ResNet-34 encoder (no pretrained weights, 12 classes; the encoder stages it does not use are
-    removed, :func:`lightning_gradcomp.zoo.pspnet`); ``resnet50``: torchvision's ResNet-50 in
+    removed, :func:`lightning_gradcomp.zoo.pspnet`); ``pspnet18``: the segmentation recipe's model
+    (``recipes/pspnet_camvid.py``: PSPNet with a ResNet-18 encoder, 11 classes, 882,475 parameters;
+    with its 4 images of 256 x 256 per rank by default); ``resnet50``: torchvision's ResNet-50 in
     ImageNet shape (25,557,032 parameters); ``tiny``: a small CNN for tests; ``mlp``: a
     32-256-256-10 perceptron (:func:`lightning_gradcomp.zoo.mlp`) for long runs."""
     from lightning_gradcomp import zoo
@@ -38,6 +40,8 @@ def build_model(name: str) -> nn.Module:
         return resnet50(num_classes=NUM_CLASSES[name])
     if name == "pspnet":
         return zoo.pspnet("resnet34", num_classes=NUM_CLASSES[name])
+    if name == "pspnet18":
+        return zoo.pspnet("resnet18", num_classes=NUM_CLASSES[name])
     if name == "tiny":
         return nn.Sequential(
             nn.Conv2d(3, 16, 3, padding=1),
@@ -61,7 +65,7 @@ def input_shape(name: str, image_size: int | None = None) -> tuple[int, ...]:
         raise ValueError(f"model must be one of {list(MODELS)}, got {name!r}")
     if name == "mlp":
         return (MLP_FEATURES,)
-    size = image_size or {"resnet18": 32, "resnet50": 224, "pspnet": 128, "tiny": 16}[name]
+    size = image_size or {"resnet18": 32, "resnet50": 224, "pspnet": 128, "pspnet18": 256, "tiny": 16}[name]
     return (3, size, size)
 
 
@@ -70,7 +74,7 @@ def synthetic_batch(name: str, batch_size: int, image_size: int | None = None, s
     shape = input_shape(name, image_size)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch_size, *shape, generator=g)
-    if name == "pspnet":
+    if name in ("pspnet", "pspnet18"):
         y = torch.randint(0, NUM_CLASSES[name], (batch_size, *shape[1:]), generator=g)
     else:
         y = torch.randint(0, NUM_CLASSES[name], (batch_size,), generator=g)
