@@ -1082,6 +1082,14 @@ def test_tta_target_drop_hosts_and_missing_none():
         tta.compute(acc, link_data, ["100mbit"])
 
 
+def test_tta_reports_only_the_codecs_asked_and_names_the_labels_it_has():
+    acc, link_data = _tta_inputs()
+    result = tta.compute(acc, link_data, ["100mbit"], only=("powersgd",))
+    assert [r["codec"] for r in result["rows"]] == ["none", "powersgd"]  # none stays: it sets the target
+    with pytest.raises(ValueError, match="no runs of iwp on cifar10; the results hold lgc, none, powersgd, topk"):
+        tta.compute(acc, link_data, ["100mbit"], only=("powersgd", "iwp"))
+
+
 def test_tta_given_target_level_replaces_none_final_metric():
     acc, link_data = _tta_inputs()
     result = tta.compute(acc, link_data, ["100mbit"], hosts=2, target=0.3, target_drop=0.2)

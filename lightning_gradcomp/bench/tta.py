@@ -93,6 +93,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--compare", default="none,powersgd", help="codecs the speed-up is given against")
     p.add_argument(
+        "--codecs",
+        default=None,
+        help="comma list of the codec labels to report (default: every label in the accuracy results; none is kept)",
+    )
+    p.add_argument(
         "--link-model", default=None, help="model of the link rows (default: the accuracy runs' model if present)"
     )
     p.add_argument(
@@ -302,15 +307,22 @@ def compute(
     compare: tuple[str, ...] = ("none", "powersgd"),
     link_model: str | None = None,
     step_time_of: dict[str, str] | None = None,
+    only: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """Time to accuracy per codec and rate from the JSON of ``accuracy`` and of ``link``:
     ``{"meta": ..., "rows": [...], "curves": {codec: [{step, mean, min, max}]}}``.
     ``step_time_of``: codec labels without a link row of their own, mapped to the label whose
-    timed steps send the same bytes (by default a label ``name@x`` borrows ``name``'s row)."""
+    timed steps send the same bytes (by default a label ``name@x`` borrows ``name``'s row).
+    ``only``: the codec labels to report (``none`` is always kept: it sets the target)."""
     step_time_of = step_time_of or {}
     codecs, warnings = accuracy_curves(acc.get("rows", []), task)
     if "none" not in codecs:
         raise ValueError(f"the accuracy results hold no run of 'none' on {task} with status ok: no target")
+    if only:
+        unknown = [c for c in only if c not in codecs]
+        if unknown:
+            raise ValueError(f"no runs of {', '.join(unknown)} on {task}; the results hold {', '.join(sorted(codecs))}")
+        codecs = {c: info for c, info in codecs.items() if c == "none" or c in only}
     given = target is not None
     if target is None:
         target = codecs["none"]["final_metric"] - target_drop
@@ -510,6 +522,7 @@ def main(args: argparse.Namespace) -> int:
             compare=compare,
             link_model=args.link_model,
             step_time_of=parse_step_time_of(args.step_time_of),
+            only=tuple(c for c in (args.codecs or "").split(",") if c) or None,
         )
     except ValueError as err:
         raise SystemExit(f"tta: {err}") from None
