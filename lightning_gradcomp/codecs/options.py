@@ -116,6 +116,18 @@ class HarnessOptions(CodecOptions):
             ``iwp``, ``fp16``, ``powersgd``, ...) refuse anything but ``"float32"``; ``lgc``'s
             autoencoder with ``variant="rar"`` sums its latents in stage 3, and its dense layers
             travel in fp32 there.
+        age_scaled_moment: beside an optimizer that keeps a per-coordinate second moment
+            (``exp_avg_sq`` with ``betas``: Adam, AdamW), let a coordinate that arrives after ``a``
+            steps without a value enter that moment as ``g**2 / a`` instead of ``g**2``. Error
+            feedback delivers ``a`` steps' worth of gradient at once; Adam divides its step by the
+            square root of its running ``g**2``, which sees one large value every ``a`` steps
+            instead of ``a`` ordinary ones, so without the correction such a coordinate moves about
+            ``sqrt(a)`` times less than under dense training. The correction is applied to the
+            optimizer's state just before its step (``v <- v - (1 - beta2) / beta2 * g**2 *
+            (1 - 1/a)``, so that Adam's own update yields the corrected value); ``a`` counts the
+            optimizer steps since the coordinate's last non-zero aggregated gradient, which every
+            rank holds alike. Parameter groups with ``amsgrad`` or with Adam's coupled weight decay
+            (which makes every coordinate's gradient non-zero) are left as they are. Default False.
     """
 
     error_feedback: bool = False
@@ -129,6 +141,7 @@ class HarnessOptions(CodecOptions):
     lr_scaled_feedback: bool = False
     precondition: bool = False
     dense_dtype: str = "float32"
+    age_scaled_moment: bool = False
 
     def check(self) -> None:
         self._set("error_feedback", bool(self.error_feedback))
@@ -146,6 +159,7 @@ class HarnessOptions(CodecOptions):
         self._set("lr_scaled_feedback", bool(self.lr_scaled_feedback))
         self._set("precondition", bool(self.precondition))
         check_choice("dense_dtype", self.dense_dtype, DENSE_DTYPES)
+        self._set("age_scaled_moment", bool(self.age_scaled_moment))
 
 
 # --------------------------------------------------------------------------------------------------
