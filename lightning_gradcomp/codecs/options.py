@@ -128,6 +128,11 @@ class HarnessOptions(CodecOptions):
             optimizer steps since the coordinate's last non-zero aggregated gradient, which every
             rank holds alike. Parameter groups with ``amsgrad`` or with Adam's coupled weight decay
             (which makes every coordinate's gradient non-zero) are left as they are. Default False.
+        residual_decay: with ``error_feedback``: multiply what compression dropped by this factor
+            before it is kept, ``e <- residual_decay * ((g + e) - C(g + e))``, so that a gradient
+            waits with a weight that falls by this factor every step. 1 (default): nothing is lost.
+            Below 1 the oldest parts of a residual fade, and what reaches the optimizer is weighted
+            towards the recent steps.
     """
 
     error_feedback: bool = False
@@ -142,6 +147,7 @@ class HarnessOptions(CodecOptions):
     precondition: bool = False
     dense_dtype: str = "float32"
     age_scaled_moment: bool = False
+    residual_decay: float = 1.0
 
     def check(self) -> None:
         self._set("error_feedback", bool(self.error_feedback))
@@ -160,6 +166,9 @@ class HarnessOptions(CodecOptions):
         self._set("precondition", bool(self.precondition))
         check_choice("dense_dtype", self.dense_dtype, DENSE_DTYPES)
         self._set("age_scaled_moment", bool(self.age_scaled_moment))
+        self._set("residual_decay", check_fraction("residual_decay", self.residual_decay))
+        if self.residual_decay < 1 and not self.error_feedback:
+            raise ValueError("residual_decay shrinks the error-feedback residual: it needs error_feedback=True")
 
 
 # --------------------------------------------------------------------------------------------------
