@@ -391,8 +391,6 @@ class CompressedDDPStrategy(DDPStrategy):
             if self.nonfinite == "skip":
                 rank_zero_warn(f"non-finite gradient at step {state.step - 1}: optimizer step skipped on all ranks")
                 return result[0]
-        if state.codec.harness.age_scaled_moment:
-            state.scale_arrivals_into_second_moment(list(_named_parameters(optimizer, state.param_names)))
         return super().optimizer_step(optimizer, closure_once, model, **kwargs)
 
     # ----------------------------------------------------------------------------------------------

@@ -158,7 +158,7 @@ _OPTION_CHANGES = {
 # harness options added since, which every codec takes: their default for each codec
 _HARNESS_ADDED = {
     "precondition": {"default": False},
-    "age_scaled_moment": {"default": False},
+    "residual_decay": {"default": 1.0},
     "dense_dtype": {"default": "float32", "lgc": "bfloat16"},
 }
 

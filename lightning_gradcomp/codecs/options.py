@@ -116,18 +116,6 @@ class HarnessOptions(CodecOptions):
             ``iwp``, ``fp16``, ``powersgd``, ...) refuse anything but ``"float32"``; ``lgc``'s
             autoencoder with ``variant="rar"`` sums its latents in stage 3, and its dense layers
             travel in fp32 there.
-        age_scaled_moment: beside an optimizer that keeps a per-coordinate second moment
-            (``exp_avg_sq`` with ``betas``: Adam, AdamW), let a coordinate that arrives after ``a``
-            steps without a value enter that moment as ``g**2 / a`` instead of ``g**2``. Error
-            feedback delivers ``a`` steps' worth of gradient at once; Adam divides its step by the
-            square root of its running ``g**2``, which sees one large value every ``a`` steps
-            instead of ``a`` ordinary ones, so without the correction such a coordinate moves about
-            ``sqrt(a)`` times less than under dense training. The correction is applied to the
-            optimizer's state just before its step (``v <- v - (1 - beta2) / beta2 * g**2 *
-            (1 - 1/a)``, so that Adam's own update yields the corrected value); ``a`` counts the
-            optimizer steps since the coordinate's last non-zero aggregated gradient, which every
-            rank holds alike. Parameter groups with ``amsgrad`` or with Adam's coupled weight decay
-            (which makes every coordinate's gradient non-zero) are left as they are. Default False.
         residual_decay: with ``error_feedback``: multiply what compression dropped by this factor
             before it is kept, ``e <- residual_decay * ((g + e) - C(g + e))``, so that a gradient
             waits with a weight that falls by this factor every step. 1 (default): nothing is lost.
@@ -146,7 +134,6 @@ class HarnessOptions(CodecOptions):
     lr_scaled_feedback: bool = False
     precondition: bool = False
     dense_dtype: str = "float32"
-    age_scaled_moment: bool = False
     residual_decay: float = 1.0
 
     def check(self) -> None:
@@ -165,7 +152,6 @@ class HarnessOptions(CodecOptions):
         self._set("lr_scaled_feedback", bool(self.lr_scaled_feedback))
         self._set("precondition", bool(self.precondition))
         check_choice("dense_dtype", self.dense_dtype, DENSE_DTYPES)
-        self._set("age_scaled_moment", bool(self.age_scaled_moment))
         self._set("residual_decay", check_fraction("residual_decay", self.residual_decay))
         if self.residual_decay < 1 and not self.error_feedback:
             raise ValueError("residual_decay shrinks the error-feedback residual: it needs error_feedback=True")

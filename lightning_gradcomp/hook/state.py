@@ -52,7 +52,6 @@ class CodecHookState:
         "momentum_buffers",
         "residual_lr",
         "second_moments",
-        "arrival_age",
         "stats",
         "nonfinite_steps",
         "skip_requested",
@@ -89,7 +88,6 @@ class CodecHookState:
         self.momentum_buffers = ResidualMemory()  # per-rank momentum of momentum correction
         self.residual_lr: dict[str, float] = {}  # lr_scaled_feedback: the rate each residual is scaled to
         self.second_moments: dict[str, Tensor] = {}  # precondition: the optimizer's exp_avg_sq by key
-        self.arrival_age: dict[str, Tensor] = {}  # age_scaled_moment: steps since each coordinate's last value
         self.stats = StatsAccumulator()
         self.nonfinite_steps = 0
         self.skip_requested = False
@@ -190,42 +188,6 @@ class CodecHookState:
         if self.codec.harness.precondition:
             self.second_moments = dict(by_key)
 
-    def scale_arrivals_into_second_moment(self, params: list[tuple[str, Tensor, dict, dict]]) -> None:
-        """The ``age_scaled_moment`` harness option, just before the optimizer's step: for each
-        ``(name, parameter, its group, its optimizer state)`` whose group keeps Adam's second
-        moment, subtract ``(1 - beta2) / beta2 * g**2 * (1 - 1/a)`` from ``exp_avg_sq`` where the
-        aggregated gradient ``g`` is non-zero after ``a`` steps of zeros, so that the optimizer's
-        own ``v <- beta2 * v + (1 - beta2) * g**2`` leaves ``beta2 * v + (1 - beta2) * g**2 / a``.
-        (The subtraction is 2^-10 short of that, so rounding cannot leave a negative moment.)
-
-        Everything read here is the same on every rank (the aggregate, the optimizer's state),
-        so the moments stay identical. Before the optimizer's first step there is no moment yet
-        and only the ages are counted. A no-op when the codec does not ask for it."""
-        if not self.codec.harness.age_scaled_moment:
-            return
-        for name, p, group, opt_state in params:
-            g = p.grad
-            if g is None:
-                continue
-            age = self.arrival_age.get(name)
-            if age is None or age.shape != g.shape or age.device != g.device:
-                age = self.arrival_age[name] = torch.zeros(g.shape, dtype=torch.int32, device=g.device)
-            age.add_(1)
-            arrived = g != 0
-            v = opt_state.get("exp_avg_sq")
-            coupled_decay = group.get("weight_decay", 0) and not group.get("decoupled_weight_decay", False)
-            if (
-                isinstance(v, Tensor)
-                and v.shape == g.shape
-                and "betas" in group
-                and not group.get("amsgrad", False)
-                and not coupled_decay
-            ):
-                beta2 = float(group["betas"][1])
-                stale = (1.0 - 1.0 / age.to(v.dtype)) * ((1.0 - beta2) / beta2 * (1.0 - 2.0**-10))
-                v.sub_(torch.where(arrived, stale * g.detach().to(v.dtype).square(), 0.0))
-            age.masked_fill_(arrived, 0)
-
     def preconditioner(self, key: str) -> Tensor | None:
         """``d = max(sqrt(v), 0.01 * mean(sqrt(v)), 1e-8)`` of parameter ``key``, flat fp32, or
         ``None`` without a second moment: the codec compresses ``x / d`` and its aggregate is
@@ -285,7 +247,6 @@ class CodecHookState:
         codec = self.codec
         local = {f"residual.{k}": v for k, v in self.memory.state_dict().items()}
         local.update({f"momentum.{k}": v for k, v in self.momentum_buffers.state_dict().items()})
-        local.update({f"arrival_age.{k}": v.detach().cpu().clone() for k, v in self.arrival_age.items()})
         if isinstance(codec, LearnedState):
             local.update({f"codec.{k}": v for k, v in codec.rank_state_dict().items()})
         if stats:
@@ -298,7 +259,6 @@ class CodecHookState:
 
         self.memory.load_state_dict(part("residual."), device=device)
         self.momentum_buffers.load_state_dict(part("momentum."), device=device)
-        self.arrival_age = {k: v.to(device) for k, v in part("arrival_age.").items()}
         _load_codec_state(self.codec, part("codec."), rank=True)
         if "stats.totals" in state:  # absent from checkpoints written before the totals were kept
             self.stats.load_totals_tensor(state["stats.totals"])
