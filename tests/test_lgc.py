@@ -374,7 +374,7 @@ class StagesSeen(Callback):
     def on_train_end(self, trainer, pl_module):
         codec = trainer.strategy.codec
         record = {"stages": self.stages, "total": codec.run_total_steps, "trained": codec.ae_trained}
-        record["options"] = [codec.options.ratio, codec.harness.dense_dtype]
+        record["options"] = [codec.options.ratio, codec.harness.dense_dtype, codec.options.max_recon_error]
         record["dense"] = sorted(codec.dense_keys)
         record["compressed"] = sorted(n for n, p in pl_module.named_parameters() if codec.should_compress(n, p))
         record["lr_reference"] = [cb.lr_reference for cb in trainer.callbacks if hasattr(cb, "lr_reference")]
@@ -411,10 +411,10 @@ def test_default_stages_are_fractions_of_the_run(tmp_path, optimizer):
         # (the plan made when the hook was registered is made again) and set the controller's
         # peak rule; with SGD the small last layer stays exact ("auto") under the previous-step rule
         if optimizer == "adamw":
-            assert seen[rank]["options"] == [0.07, "bfloat16"] and seen[rank]["dense"] == []
+            assert seen[rank]["options"] == [0.07, "bfloat16", 0.35] and seen[rank]["dense"] == []
             assert seen[rank]["lr_reference"] == ["peak"]
         else:
-            assert seen[rank]["options"] == [0.0075, "bfloat16"]
+            assert seen[rank]["options"] == [0.0075, "bfloat16", 0.3]
             assert seen[rank]["dense"] == ["net.4.bias", "net.4.weight"]
             assert seen[rank]["lr_reference"] == ["previous"]
         assert ("net.4.weight" in seen[rank]["compressed"]) is (optimizer == "adamw")

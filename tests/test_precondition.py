@@ -189,9 +189,10 @@ def test_lgc_beside_adam_keeps_a_denser_support_unless_told_otherwise():
     codec = _strategy_beside("adamw", codec="lgc")
     assert (codec.options.ratio, codec.harness.dense_dtype, codec.harness.dense_layers) == (0.07, "bfloat16", ("none",))
     assert codec.config()["ratio"] == 0.07 and codec.config()["dense_dtype"] == "bfloat16"
+    assert codec.options.max_recon_error == 0.35  # the guard's threshold for 2-bit levels at 7 %
     codec = _strategy_beside("sgd", codec="lgc")  # lgc's dense layers go in bfloat16 with any optimizer
     sgd = (codec.options.ratio, codec.harness.dense_dtype, codec.harness.dense_layers)
-    assert sgd == (0.0075, "bfloat16", ("auto",))
+    assert sgd == (0.0075, "bfloat16", ("auto",)) and codec.options.max_recon_error == 0.3
     # what the user set stays; a codec built by the user is kept as it is
     codec = _strategy_beside(
         "adamw", codec="lgc", codec_options={"ratio": 0.02, "dense_dtype": "float32", "dense_layers": "auto"}

@@ -388,7 +388,8 @@ def test_lgc_beside_adamw_resumes_like_an_uninterrupted_run(resume_results) -> N
     assert "residual.body.4.weight" in saved["gradcomp"]["ranks"][0]
     # and what the run took there, which a resumed run takes again
     recorded = saved["gradcomp"]["optimizer_defaults"]
-    assert recorded == {"options": {"ratio": 0.07, "dense_layers": ["none"]}, "controller": {"lr_reference": "peak"}}
+    taken = {"ratio": 0.07, "dense_layers": ["none"], "max_recon_error": 0.35}
+    assert recorded == {"options": taken, "controller": {"lr_reference": "peak"}}
     _assert_continues_exactly(full, resumed, "lgc")
 
 
