@@ -116,11 +116,6 @@ class HarnessOptions(CodecOptions):
             ``iwp``, ``fp16``, ``powersgd``, ...) refuse anything but ``"float32"``; ``lgc``'s
             autoencoder with ``variant="rar"`` sums its latents in stage 3, and its dense layers
             travel in fp32 there.
-        residual_decay: with ``error_feedback``: multiply what compression dropped by this factor
-            before it is kept, ``e <- residual_decay * ((g + e) - C(g + e))``, so that a gradient
-            waits with a weight that falls by this factor every step. 1 (default): nothing is lost.
-            Below 1 the oldest parts of a residual fade, and what reaches the optimizer is weighted
-            towards the recent steps.
     """
 
     error_feedback: bool = False
@@ -134,7 +129,6 @@ class HarnessOptions(CodecOptions):
     lr_scaled_feedback: bool = False
     precondition: bool = False
     dense_dtype: str = "float32"
-    residual_decay: float = 1.0
 
     def check(self) -> None:
         self._set("error_feedback", bool(self.error_feedback))
@@ -152,9 +146,6 @@ class HarnessOptions(CodecOptions):
         self._set("lr_scaled_feedback", bool(self.lr_scaled_feedback))
         self._set("precondition", bool(self.precondition))
         check_choice("dense_dtype", self.dense_dtype, DENSE_DTYPES)
-        self._set("residual_decay", check_fraction("residual_decay", self.residual_decay))
-        if self.residual_decay < 1 and not self.error_feedback:
-            raise ValueError("residual_decay shrinks the error-feedback residual: it needs error_feedback=True")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ def encode_layers(state, buf: Tensor, layers: list, step: int) -> Encoded:
             if d is not None:  # the residual and the statistics in units of the gradient
                 diff = diff * d
             if h.error_feedback:
-                memory.stage(k, diff if h.residual_decay == 1 else diff * h.residual_decay)
+                memory.stage(k, diff)
             if sample:
                 sent_diff = diff if enc.sent is None else (x - enc.sent) * (1 if d is None else d)
                 out.err_sq = out.err_sq + sent_diff.double().pow(2).sum()
