@@ -242,8 +242,8 @@ class CompressedDDPStrategy(DDPStrategy):
         """Warn once when a sparsifying codec with error feedback meets Adam-like optimizers.
 
         Such a codec sends a few entries of each layer and delays the rest in its residual, so a
-        coordinate arrives every few dozen steps as one large gradient, which the optimizer's
-        per-coordinate scaling (its second moment) treats as a single large value. On PSPNet/CamVid
+        coordinate arrives every few dozen steps as one large, stale gradient (letting Adam move it
+        as far as a dense one made ``topk`` worse, docs/codecs/lgc.md). On PSPNet/CamVid
         with AdamW this cost 5-7 points of mIoU where codecs that send a dense update lost about
         one; ``adaptive_level=True`` narrowed it to about four for ``lgc`` with its learned code
         carrying the values, and ``lgc``'s defaults beside Adam (its
