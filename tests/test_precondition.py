@@ -228,6 +228,12 @@ def test_a_resumed_run_takes_what_its_checkpoint_took_beside_adam_and_names_opti
     assert strategy.codec.options.ratio == 0.05 and strategy.codec.harness.dense_layers == ("auto",)
     assert strategy._adaptive_callback.lr_reference == "previous"
     assert strategy._optimizer_defaults == {"options": {"ratio": 0.05}, "controller": {}}
+    # the previous version recorded a 7 % support and the end layers compressed: it resumes with
+    # the guard at 0.3, as it ran, not with the 0.35 this version takes beside Adam
+    recorded = {"options": {"ratio": 0.07, "dense_layers": ["none"]}, "controller": {"lr_reference": "peak"}}
+    strategy = _set_up_beside("adamw", codec="lgc", resumed_from={"optimizer_defaults": recorded})
+    assert strategy.codec.options.max_recon_error == 0.3 and strategy.codec.harness.dense_layers == ("none",)
+    assert _set_up_beside("adamw", codec="lgc").codec.options.max_recon_error == 0.35
     # an earlier version's checkpoint records only its options: their values, the default rule
     saved = {"options": {**make_codec("lgc").config(), "ratio": 0.03}}
     strategy = _set_up_beside("adamw", codec="lgc", resumed_from=saved)
