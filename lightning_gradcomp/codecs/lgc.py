@@ -293,11 +293,11 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
     adaptive_by_default = True
     # beside Adam a sparse support costs more: a coordinate waits k steps and arrives stale, so
     # the support is denser there (7 %), paid for by compressing the stem too, and the controller
-    # counts each halving of a smooth decay as a drop: PSPNet/CamVid, AdamW: -1.9 mIoU against
-    # none over seeds 0-5 at a steady ratio of 53.1, against -2.7 at 64.4 for a 3 % support with
+    # counts each halving of a smooth decay as a drop: PSPNet/CamVid, AdamW: -2.1 mIoU against
+    # none over seeds 0-7 at a steady ratio of 53.1, against -2.7 at 64.4 for a 3 % support with
     # the stem exact, seeds 0-3. At 7 % the 2-bit levels reconstruct a layer with an error close
-    # to 0.3, so the guard's threshold is 0.35 there: the code carries 98.6 % of the values
-    # instead of 87.6 %, at -0.14 mIoU paired over the six seeds (standard error 0.21)
+    # to 0.3, so the guard's threshold is 0.35 there: the code carries 98.9 % of the values
+    # instead of 88.3 %, at -0.22 mIoU paired over the eight seeds (standard error 0.18)
     # (docs/codecs/lgc.md, "Beside Adam")
     adaptive_optimizer_defaults = {"ratio": 0.07, "dense_layers": "none", "max_recon_error": 0.35}
     adaptive_optimizer_controller = {"lr_reference": "peak"}
