@@ -278,9 +278,10 @@ PREVIOUS_CODECS = ["topk", "fft", "gradiveq", "lgc", "powersgd"]
 # values the checkpoints were written with (lgc: its dense layers in fp32, a 1 % support)
 PREVIOUS_OPTIONS = {"lgc": {"dense_dtype": "float32", "ratio": 0.01}}
 # lgc beside AdamW at step CUT, written by commit ee6e149: before lgc took a 7 % support with the
-# end layers compressed and the controller's peak rule there, it took a 3 % support alone
+# end layers compressed, the guard at 0.35 and the controller's peak rule there, it took a 3 %
+# support alone
 PREVIOUS_ADAMW = HERE / "data" / "checkpoints_ee6e149" / "lgc_adamw.ckpt"
-PREVIOUS_ADAMW_OPTIONS = {"ratio": 0.03, "dense_layers": "auto"}
+PREVIOUS_ADAMW_OPTIONS = {"ratio": 0.03, "dense_layers": "auto", "max_recon_error": 0.3}
 
 
 def _previous_options(codec: str) -> dict:
