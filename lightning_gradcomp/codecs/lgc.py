@@ -19,6 +19,9 @@ in three stages, switched on the same global optimizer step on every rank:
 3. Afterwards: a learned code, fitted at the switch on rank 0 from stage 2's values and
    broadcast (identical on every rank, checked by a hash), compresses ``v_i``. The levels are
    fitted again every ``refit_every`` steps on rank 0's own messages; the autoencoder stays frozen.
+   The learned code, its training data, its fits and its checkpoint are
+   :class:`~lightning_gradcomp.codecs.lgc_learning.LearnedCode`'s (``lgc_learning.py``); this file
+   holds the support, the messages, the collectives and the schedule.
 
 The learned code (``code``):
 
@@ -58,17 +61,14 @@ sum of those per-rank reconstructions, so error feedback is exact only up to tha
 from __future__ import annotations
 
 import math
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from lightning_gradcomp import comm
 from lightning_gradcomp.codecs import levels
-from lightning_gradcomp.codecs import lgc_autoencoder as autoencoder
 from lightning_gradcomp.codecs.base import (
     AdjustableLevel,
     Codec,
@@ -88,6 +88,7 @@ from lightning_gradcomp.codecs.base import (
     run_steps,
 )
 from lightning_gradcomp.codecs.lgc_autoencoder import GradientAutoencoder
+from lightning_gradcomp.codecs.lgc_learning import LearnedCode
 from lightning_gradcomp.codecs.positions import choose_encoding, decode_positions, encode_positions, encoded_nbytes
 from lightning_gradcomp.codecs.powersgd import PowerSGDCodec
 from lightning_gradcomp.codecs.sampling import DensityWarmup, check_density_warmup, keep_count, select_top
@@ -101,8 +102,6 @@ CODES = ("levels", "autoencoder")
 VARIANTS = ("rar", "ps")
 SELECTIONS = ("sampled", "exact")
 WARMUP_CODECS = ("allreduce", "powersgd")
-#: relative magnitudes kept a layer and step for a refit of the levels (a seeded subsample)
-REFIT_VALUES = 4096
 #: the paper's stage lengths (SOFF: 200 dense rounds, 300 collecting), the caps of fractions
 WARMUP_CAP, AE_TRAIN_CAP = 200, 300
 
@@ -200,7 +199,7 @@ class LGCOptions(CodecOptions):
 
 
 @register_codec("lgc")
-class LGCCodec(AdjustableLevel, MultiRound, Codec):
+class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
     """Learned Gradient Compression with a shared support (see the module docstring).
 
     Args:
@@ -304,33 +303,10 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        # the AE is built once, from the options at construction (variant, ae_width,
-        # latent_channels, seed); replace_options does not rebuild it
-        o = self.options
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(o.seed)
-            self.ae = GradientAutoencoder(o.ae_width, o.latent_channels, innovation=o.variant == "ps")
-        self.ae.requires_grad_(False)
-        # identical on every rank: the AE, whether it is trained, its training summary, the samples
-        self._ae_state = {"trained": False, "loss": float("nan"), "recon_error": float("nan"), "train_s": float("nan")}
-        self._ae_layers: dict[str, float] = {}  # layers the learned code carries in stage 3 -> held-out error
+        self._init_learned_code()
         self._warmup_codec = self._make_warmup_codec()
         self._handoff: dict[str, Tensor] = {}  # its error memory at the end of stage 1, per layer
-        self._levels: dict[str, Tensor] = {}  # "levels": each layer's magnitude levels
-        self._levels_denser: dict[str, Tensor] = {}  # the same, for a support denser than ``ratio``
-        self._samples: list[tuple[str, int, int, int, Tensor]] = []  # key, step, leader, numel, (N, K) values
-        self._samples_lock = threading.Lock()
-        # "levels" in stage 3, rank 0 only: its own messages since the last fit, as
-        # (key, step, role, denser, relative magnitudes, at most REFIT_VALUES of them)
-        self._refit_samples: list[tuple[str, int, int, bool, Tensor]] = []
-        self._refits = 0  # fits of the levels after the switch
         self.last_timing: dict[str, float] = {}
-        self._ae_layers_used = (0, 0)  # of the last step: layers the AE carried, layers it may carry
-        self._values_used = (0, 0, 0)  # of the last step: values the code carried, support values, their code's bytes
-        self._ae_count_step = -1
-        # over the run's stage-3 steps, at the configured support and at a denser one: support
-        # values the code carried, and all support values of the compressed layers
-        self._values_run = {"configured": [0, 0], "denser": [0, 0]}
 
     def check_harness(self, harness: HarnessOptions) -> None:
         # start_step always has a value (the harness default); only another one was asked for
@@ -355,51 +331,6 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
     def bucket_keyed_state(self) -> bool:  # type: ignore[override]
         # PowerSGD keys its factors and error by DDP bucket index (see MultiRound)
         return self._warmup_codec is not None
-
-    # training summary (run-time state, not options: it changes during the run)
-    @property
-    def ae_trained(self) -> bool:
-        return bool(self._ae_state["trained"])
-
-    @property
-    def ae_loss(self) -> float:
-        """Mean AE training loss over its last epoch (NaN before training)."""
-        return float(self._ae_state["loss"])
-
-    @property
-    def ae_recon_error(self) -> float:
-        """Relative error of the decoded aggregate on held-out stage-2 samples (NaN before training)."""
-        return float(self._ae_state["recon_error"])
-
-    @property
-    def ae_layers_used(self) -> tuple[int, int]:
-        """Of the last step: how many layers the AE carried, and how many it may carry (those that
-        passed the gate at the switch); the run-time guard sent the others' values exactly."""
-        return self._ae_layers_used
-
-    @property
-    def values_used(self) -> tuple[int, int, int]:
-        """Of the last step, on this rank: how many support values the learned code carried, how
-        many values the supports of the compressed layers held, and the bytes this rank sent for
-        the carried values (4 a value would have been sent exactly)."""
-        return self._values_used
-
-    @property
-    def values_run(self) -> dict[str, tuple[int, int]]:
-        """Over the run's stage-3 steps so far, on this rank, at the configured support
-        (``"configured"``) and at a denser one (``"denser"``, the level controller's light steps):
-        how many support values the learned code carried, and how many the supports held."""
-        return {name: (c, n) for name, (c, n) in self._values_run.items()}
-
-    @property
-    def refits(self) -> int:
-        """How many times the levels were fitted again after the switch (``refit_every``)."""
-        return self._refits
-
-    @property
-    def ae_train_s(self) -> float:
-        """Seconds the switch took (training, broadcast and check) on this rank."""
-        return float(self._ae_state["train_s"])
 
     # ----------------------------------------------------------------------------------------------
     # schedule
@@ -431,10 +362,6 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
     def is_compressing(self, step: int) -> bool:
         # with a PowerSGD warm-up, stage 1 compresses too (from the first step the hook allows)
         return self._warmup_codec is not None or step >= self.warmup_end
-
-    @property
-    def uses_autoencoder(self) -> bool:
-        return self.options.code == "autoencoder"
 
     def collective_at(self, step: int) -> Collective:
         # stage 2 gathers every rank's values (the learned code's training data); the AE's RAR
@@ -746,219 +673,6 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         elif self._refitting(step) and (step + 1 - self.ae_start_step) % self.options.refit_every == 0:
             self.refit_levels()
 
-    def _refitting(self, step: int) -> bool:
-        """Whether the levels are fitted again in stage 3 (and rank 0 keeps its messages for it)."""
-        return (
-            not self.uses_autoencoder
-            and self.options.refit_every > 0
-            and self.ae_trained
-            and step >= self.ae_start_step
-        )
-
-    def _keep_for_refit(self, key: str, step: int, v: Tensor, denser: bool) -> None:
-        """Rank 0: keep a seeded subsample of ``|v| / RMS(v)`` of its own message (the RMS of the
-        whole message, as it travels), with its role, for the next fit."""
-        m = levels.relative_magnitudes(v.detach().float())
-        if m.numel() > REFIT_VALUES:
-            g = torch.Generator(device="cpu").manual_seed(self.options.seed * 1_000_003 + step)
-            m = m[torch.randperm(m.numel(), generator=g)[:REFIT_VALUES].to(m.device)]
-        with self._samples_lock:
-            self._refit_samples.append((key, step, self._role(step), denser, m.clone()))
-            first = step - self.options.refit_every  # only what came since the last fit
-            if self._refit_samples[0][1] <= first:
-                self._refit_samples = [smp for smp in self._refit_samples if smp[1] > first]
-
-    def refit_levels(self) -> None:
-        """Fit the levels again on rank 0's messages since the last fit, broadcast them, check them.
-
-        Must run on every rank at the same point (it broadcasts). In stage 3 no rank sees the
-        others' exact values, but rank 0 sends as the leader on some steps and as another rank on
-        the others, so its own messages hold both roles' values. For each layer and support size
-        (the configured one, and the denser one where its levels exist), a role's row is fitted
-        again when rank 0 sent that role on at least two steps; the most recent eighth of the steps
-        is held out, and a layer keeps the code where the held-out error of rank 0's messages at
-        the configured support is at most ``max_recon_error`` (the gate, now per rank rather than
-        of the aggregate). Nothing is fitted and no layer changes where there are no samples."""
-        keys = sorted(self._levels)
-        if not keys:
-            return
-        device = self._device()
-        count = 2 ** (self.options.code_bits - 1)
-        # [configured, denser] x layer x role x level, and each layer's held-out error (NaN: none)
-        fitted = torch.stack(
-            [
-                torch.stack([self._levels[k] for k in keys]),
-                torch.stack([self._levels_denser.get(k, self._levels[k]) for k in keys]),
-            ]
-        ).to(device=device, dtype=torch.float32)
-        errors = torch.full((len(keys),), float("nan"), dtype=torch.float32, device=device)
-        if self.rank == 0:
-            with self._samples_lock:
-                samples, self._refit_samples = self._refit_samples, []
-            for i, key in enumerate(keys):
-                for which in (0, 1) if key in self._levels_denser else (0,):
-                    mine = [smp for smp in samples if smp[0] == key and smp[3] == bool(which)]
-                    error = levels.refit_rows(mine, fitted[which, i], count, self.options.seed + i)
-                    if which == 0 and error is not None:
-                        errors[i] = error
-        if self.world_size > 1:
-            self.context.broadcast(fitted, 0)
-            self.context.broadcast(errors, 0)
-        self._levels = {k: fitted[0, i].clone() for i, k in enumerate(keys)}
-        if self._levels_denser:
-            self._levels_denser = {k: fitted[1, i].clone() for i, k in enumerate(keys) if k in self._levels_denser}
-        if self.world_size > 1:
-            self.context.agree(self.ae_digest(), "lgc: the refitted levels differ between ranks after the broadcast")
-        for key, error in zip(keys, errors.tolist()):  # once a refit, not per step
-            if math.isnan(error):
-                continue
-            if error <= self.options.max_recon_error:
-                self._ae_layers[key] = error
-            else:
-                self._ae_layers.pop(key, None)
-        self._refits += 1
-
-    def train_autoencoder(self) -> None:
-        """Fit the AE on the collected samples (rank 0), broadcast it, check it is identical.
-
-        Must run on every rank at the same point (it broadcasts). Sets :attr:`ae_loss` (last-epoch
-        mean training loss), :attr:`ae_recon_error` (relative error ``||v_hat - v|| / ||v||`` of the
-        aggregate on held-out samples: the most recent 1/8 of the steps) and :attr:`ae_train_s`.
-        """
-        t0 = time.perf_counter()
-        with self._samples_lock:  # identical on every rank: every rank saw every rank's values
-            keys = sorted({smp[0] for smp in self._samples})
-        # everything handed to a collective lives on the codec's device (NCCL takes no CPU tensor)
-        device = self._device()
-        stats = torch.zeros(2 + len(keys), dtype=torch.float64, device=device)
-        count = 2 ** (self.options.code_bits - 1)
-        # the levels (each layer's leader's and others') of the configured support, those of a
-        # denser one, and in the last row whether the latter exist
-        fitted = torch.ones(2, len(keys) + 1, 2, count, dtype=torch.float32, device=device)
-        fitted[1, -1] = 0.0
-        if self.rank == 0:
-            if self.uses_autoencoder:
-                loss, per_layer = self._fit()
-            else:
-                loss, per_layer = self._fit_levels(keys, fitted)
-            errors = [per_layer.get(k, (0.0, 0.0)) for k in keys]
-            err, ref = sum(e for e, _ in errors), sum(r for _, r in errors)
-            stats[0], stats[1] = loss, (math.sqrt(err / ref) if ref > 0 else float("nan"))
-            per_layer_error = [math.sqrt(e / r) if r > 0 else math.inf for e, r in errors]
-            stats[2:] = torch.tensor(per_layer_error, dtype=torch.float64).to(device)
-        if self.world_size > 1:
-            if self.uses_autoencoder:
-                flat = nn.utils.parameters_to_vector(self.ae.parameters()).detach()
-                self.context.broadcast(flat, 0)
-                nn.utils.vector_to_parameters(flat, self.ae.parameters())
-            else:
-                self.context.broadcast(fitted, 0)
-            self.context.broadcast(stats, 0)
-        if not self.uses_autoencoder:
-            self._levels = {k: fitted[0, i].clone() for i, k in enumerate(keys)}
-            has_denser = bool(fitted[1, -1, 0, 0] > 0.5)  # once, at the switch
-            self._levels_denser = {k: fitted[1, i].clone() for i, k in enumerate(keys)} if has_denser else {}
-        if self.world_size > 1:
-            self.context.agree(self.ae_digest(), "lgc: the learned code differs between ranks after the broadcast")
-        self.ae.requires_grad_(False)
-        values = stats.tolist()  # once, at the switch (step-end work, not per layer)
-        self._ae_layers = {k: float(e) for k, e in zip(keys, values[2:]) if e <= self.options.max_recon_error}
-        with self._samples_lock:
-            self._samples.clear()  # stage 3 never needs them again
-        self._ae_state = {
-            "trained": True,
-            "loss": float(values[0]),
-            "recon_error": float(values[1]),
-            "train_s": time.perf_counter() - t0,
-        }
-
-    def _split_samples(self, samples: list | None = None) -> tuple[list, list]:
-        """Training and held-out samples (all of them, or ``samples``): the most recent eighth of
-        the steps is held out."""
-        if samples is None:
-            with self._samples_lock:
-                samples = list(self._samples)
-        return levels.split_held_out(samples)
-
-    def _samples_by_support(self) -> tuple[list, list]:
-        """The samples as the configured support (``ratio``) would have given them, and the samples
-        taken on a denser one.
-
-        Under the level controller stage 2 runs partly or wholly on a ten times denser support,
-        whose values, in units of their RMS, are distributed otherwise: levels fitted to them
-        carried 3-5 of 19 layers at the configured support on ResNet-18. The leader's top ``k`` of
-        its whole layer are the top ``k`` of its denser support, so a denser sample is cut to the
-        leader's ``k`` largest values (every rank's values at those positions), which is the
-        configured support of that step's gradient."""
-        with self._samples_lock:
-            samples = list(self._samples)
-        configured, denser = [], []
-        for key, step, lead, numel, values in samples:
-            k = keep_count(self.options.ratio, numel)
-            if values.shape[-1] > k:
-                denser.append((key, step, lead, numel, values))
-                keep = values[lead].abs().topk(k, sorted=False).indices.sort().values
-                values = values[:, keep]
-            configured.append((key, step, lead, numel, values))
-        return configured, denser
-
-    def _levels_for(self, key: str, k: int, numel: int, role: int | None = None) -> Tensor:
-        """The levels of ``key`` for a support of ``k`` values: those fitted to the denser support
-        when ``k`` is above the configured size and they exist, else the configured support's; a
-        ``(2, count)`` table (the leader's row and the others'), or the row of ``role``."""
-        if k > keep_count(self.options.ratio, numel) and key in self._levels_denser:
-            table = self._levels_denser[key]
-        else:
-            table = self._levels[key]
-        return table if role is None else table[role]
-
-    def _codes_support(self, k: int, numel: int) -> bool:
-        """Whether the learned code may carry a support of ``k`` of ``numel`` values: always at the
-        configured size; a denser one (the level controller's light steps) only with
-        ``code_denser``, else it travels exactly."""
-        return self.options.code_denser or k <= keep_count(self.options.ratio, numel)
-
-    def _role(self, step: int) -> int:
-        """This rank's row of the levels at ``step``: the leader's, or the others'."""
-        return levels.role(self.rank, step % self.world_size)
-
-    def _fit_levels(self, keys: list[str], fitted: Tensor) -> tuple[float, dict[str, tuple[float, float]]]:
-        """Fit ``fitted[0]`` to the configured support's samples (their held-out error is the gate)
-        and, when stage 2 ran a denser support on at least two steps, ``fitted[1]`` to those; the
-        last row of ``fitted[1]`` is set to 1 when it was fitted."""
-        configured, denser = self._samples_by_support()
-        if not configured:
-            return float("nan"), {}
-        train, val = self._split_samples(configured)
-        loss, per_layer = levels.fit_layers(train, val, keys, fitted[0], self.options.seed)
-        if len({s[1] for s in denser}) >= 2:
-            d_train, d_val = self._split_samples(denser)
-            levels.fit_layers(d_train, d_val, keys, fitted[1, :-1], self.options.seed)
-            fitted[1, -1] = 1.0
-        return loss, per_layer
-
-    def _fit(self) -> tuple[float, dict[str, tuple[float, float]]]:
-        with self._samples_lock:
-            if not self._samples:
-                return float("nan"), {}
-        train, val = self._split_samples(self._samples_by_support()[0])
-        return autoencoder.fit(self.ae, self.options, train, val, self.innovation_k)
-
-    def _innovation(self, v: Tensor, numel: int) -> tuple[Tensor, Tensor]:
-        return autoencoder.innovation(v, self.innovation_k(numel))
-
-    def ae_digest(self) -> int:
-        """A 62-bit digest of the learned code: the AE's weights and the levels (compare it across
-        ranks)."""
-        tables = [self._levels[k] for k in sorted(self._levels)]
-        tables += [self._levels_denser[k] for k in sorted(self._levels_denser)]
-        return comm.digest(*self.ae.state_dict().values(), *tables)
-
-    @property
-    def ae_layers(self) -> dict[str, float]:
-        """Layers that use the AE in stage 3, with their held-out relative error."""
-        return dict(self._ae_layers)
-
     def scalars(self, step: int, compressing: bool) -> dict[str, float]:
         """``lgc_stage`` (1, 2 or 3) at ``step``; once the learned code is trained (and its loss
         finite): ``ae_loss``, ``ae_recon_error`` (held-out, at the switch), ``ae_train_s`` (the
@@ -981,35 +695,11 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
             )
         return out
 
-    def ae_cost(self) -> dict[str, float]:
-        """Parameter count and bytes of the learned code (the AE's weights, or the levels)."""
-        if not self.uses_autoencoder:
-            n = sum(v.numel() for v in [*self._levels.values(), *self._levels_denser.values()])
-            return {"ae_params": float(n), "ae_param_bytes": float(4 * n)}
-        n = sum(p.numel() for p in self.ae.parameters())
-        return {"ae_params": float(n), "ae_param_bytes": float(4 * n)}
-
     # ----------------------------------------------------------------------------------------------
     # checkpointing: identical on every rank
     def state_dict(self) -> dict[str, Any]:
-        with self._samples_lock:
-            samples = [
-                {"key": k, "step": s, "leader": lead, "numel": n, "values": v.detach().cpu().clone()}
-                for k, s, lead, n, v in self._samples
-            ]
         return {
-            "ae": {k: v.detach().cpu().clone() for k, v in self.ae.state_dict().items()},
-            "ae_trained": self.ae_trained,
-            "ae_loss": self.ae_loss,
-            "ae_recon_error": self.ae_recon_error,
-            "ae_train_s": self.ae_train_s,
-            "ae_layers": dict(self._ae_layers),
-            "code": self.options.code,
-            "levels": {k: v.detach().cpu().clone() for k, v in self._levels.items()},
-            "levels_denser": {k: v.detach().cpu().clone() for k, v in self._levels_denser.items()},
-            "samples": samples,
-            "values_run": {name: list(t) for name, t in self._values_run.items()},
-            "refits": self._refits,
+            **self._learned_state_dict(),
             **({"warmup": self._warmup_codec.state_dict()} if self._warmup_codec is not None else {}),
             **self.level_state(),
         }
@@ -1021,37 +711,7 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         warmup = state.get("warmup")
         if warmup is not None and self._warmup_codec is not None:
             self._warmup_codec.load_state_dict(warmup)
-        device = next(self.ae.parameters()).device
-        self.ae.load_state_dict({k: v.to(device) for k, v in state["ae"].items()})
-        self.ae.requires_grad_(False)
-        self._ae_state = {
-            "trained": bool(state["ae_trained"]),
-            "loss": float(state["ae_loss"]),
-            "recon_error": float(state["ae_recon_error"]),
-            "train_s": float(state["ae_train_s"]),
-        }
-        self._ae_layers = {str(k): float(v) for k, v in state["ae_layers"].items()}
-        saved_code = state.get("code", "autoencoder")  # checkpoints before the levels hold an AE only
-        # a code that carries no layer sends what any other would: exact values on the support
-        if self.ae_trained and saved_code != self.options.code and self._ae_layers:
-            raise ValueError(
-                f"this checkpoint's lgc learned code {saved_code!r} at its switch, and this run asks for "
-                f"code={self.options.code!r}: resume with codec_options={{'code': {saved_code!r}}}, "
-                "or restart before the switch"
-            )
-        device = next(self.ae.parameters()).device
-        self._levels = {str(k): _by_role(v).to(device) for k, v in state.get("levels", {}).items()}
-        # before the denser support had levels of its own it used the configured support's
-        self._levels_denser = {str(k): _by_role(v).to(device) for k, v in state.get("levels_denser", {}).items()}
-        # rank 0's messages since the last refit are not checkpointed: the next refit after a resume
-        # fits on the steps since the resume
-        self._refits = int(state.get("refits", 0))
-        for name, tally in state.get("values_run", {}).items():  # absent before it was counted
-            self._values_run[str(name)] = [int(v) for v in tally]
-        with self._samples_lock:
-            self._samples = [
-                (d["key"], int(d["step"]), int(d["leader"]), int(d["numel"]), d["values"]) for d in state["samples"]
-            ]
+        self._load_learned_state_dict(state)
 
     # per rank: PowerSGD's error memory and P during stage 1, and what it hands to stage 2
     def rank_state_dict(self) -> dict[str, Tensor]:
@@ -1072,18 +732,3 @@ class LGCCodec(AdjustableLevel, MultiRound, Codec):
         prefix = "warmup."
         self._warmup_codec.load_rank_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
         self._handoff = {k[len("handoff.") :]: v for k, v in state.items() if k.startswith("handoff.")}
-
-    def __getstate__(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d.pop("_samples_lock")
-        return d
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._samples_lock = threading.Lock()
-
-
-def _by_role(table: Tensor) -> Tensor:
-    """A layer's levels as a ``(2, count)`` table, the leader's row and the others': a checkpoint
-    written before the levels had a row per role holds one row, which served both."""
-    return table.expand(2, -1).clone() if table.dim() == 1 else table
