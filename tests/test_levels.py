@@ -173,6 +173,7 @@ def _train_levels(
     refit_every: int = 0,
     stage3: int = STAGE3,
     code_denser: bool = True,
+    extra: dict | None = None,
 ) -> dict:
     """``light_collect``: stage 2 runs at compression level 0 (the controller's light level: a
     support 2.5 times denser here), stage 3 at level 1, and its last step at level 0 again."""
@@ -185,7 +186,7 @@ def _train_levels(
     model = _mlp()
     ddp = DDP(model)
     opts = dict(warmup_steps=WARMUP, ae_train_steps=COLLECT, ratio=RATIO, min_numel=1000, dense_layers="none")
-    opts.update(refit_every=refit_every, code_denser=code_denser)
+    opts.update(refit_every=refit_every, code_denser=code_denser, **(extra or {}))
     state, hook = make_comm_hook("lgc", ddp, stats_every=1, **opts)
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
@@ -423,6 +424,30 @@ def test_code_denser_false_sends_the_light_steps_exactly():
             assert row["identical"]
             assert row["err_sq"] == pytest.approx(row["residual_sq"], rel=1e-6)
         assert r["values_run"] == {"configured": (2 * support, 2 * support), "denser": (0, denser)}
+
+
+def test_a_light_ratio_of_one_sends_whole_layers_exactly_then_coded_without_positions():
+    """light_ratio=1.0: the controller's light steps keep every value. In stage 2 they travel
+    exactly (no error, nothing left in the residual); in stage 3 the code carries whole layers,
+    with no position code on the wire, identically on both ranks and with exact error feedback."""
+    extra = {"light_ratio": 1.0, "max_recon_error": float("inf")}
+    res = run_gloo(_train_levels, world_size=2, args=(True, 0, STAGE3, True, extra), timeout=300)
+    sizes = [p.numel() for p in _mlp().parameters() if p.numel() >= 1000]
+    dense = sum(p.numel() for p in _mlp().parameters() if p.numel() < 1000)
+    assert res[0]["digest"] == res[1]["digest"] and res[0]["denser"] == sorted(res[0]["layers"])
+    for r in res:
+        rows = r["rows"]
+        for row in rows:
+            assert row["identical"]
+        for row in rows[WARMUP : WARMUP + COLLECT]:  # stage 2, every value on the support
+            assert row["err_sq"] == 0.0 and row["residual_sq"] == 0.0
+        last = rows[-1]
+        assert last["used"] == (3, 3) and last["err_sq"] > 0
+        assert last["err_sq"] == pytest.approx(last["residual_sq"], rel=1e-6)
+        # one guard flag a layer and no positions; each rank's 2-bit message; the dense layers
+        expected = 4 * len(sizes) + sum(levels.message_nbytes(n, 2) for n in sizes) + 2 * dense + 4
+        assert last["wire"] == pytest.approx(expected)
+        assert r["values_run"]["denser"] == (sum(sizes), sum(sizes))
 
 
 def test_the_report_does_not_blame_the_gate_when_the_layers_that_passed_it_fell_back():

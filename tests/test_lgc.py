@@ -57,12 +57,31 @@ def _mlp() -> nn.Module:
         (dict(density_warmup_start=1.5), "density_warmup_start must be in"),
         (dict(warmup_codec="fp16"), "warmup_codec must be one of"),
         (dict(warmup_rank=0), "warmup_rank"),
+        (dict(light_ratio=0.0), "light_ratio must be in"),
+        (dict(ratio=0.05, light_ratio=0.01), r"light_ratio .* must be at least ratio \(0.05\)"),
         (dict(warmup_codec="powersgd", momentum=0.9), "warmup_codec='powersgd' .* momentum correction"),
     ],
 )
 def test_invalid_options_name_the_option(opts, match):
     with pytest.raises(ValueError, match=match):
         make_codec("lgc", **opts)
+
+
+@pytest.mark.parametrize(
+    "opts, light",
+    [(dict(ratio=0.01), 0.1), (dict(ratio=0.07), 0.25), (dict(ratio=0.07, light_ratio=1.0), 1.0)],
+)
+def test_the_light_level_keeps_light_ratio_of_each_layer(opts, light):
+    """Level 1 keeps ``ratio``, level 0 ``light_ratio`` (ten times ``ratio``, at most 0.25, unless
+    given), each halfway level the geometric mean; at a light ratio of 1 the whole layer travels."""
+    codec = make_codec("lgc", **opts)
+    ratio = opts["ratio"]
+    assert codec.kept_fraction == pytest.approx(ratio)
+    codec.set_level(0.0)
+    assert codec.kept_fraction == pytest.approx(light)
+    assert codec.k_for(65536) == math.ceil(light * 65536)
+    codec.set_level(0.5)
+    assert codec.kept_fraction == pytest.approx(math.sqrt(light * ratio))
 
 
 def test_autoencoder_code_is_a_sixteenth_of_its_input_per_channel():

@@ -137,6 +137,7 @@ class LGCOptions(CodecOptions):
     warmup_steps: int | float = 0.05
     ae_train_steps: int | float = 0.1
     ratio: float = 7.5e-3
+    light_ratio: float | None = None
     density_warmup: int | float = 0
     density_warmup_start: float = 0.25
     innovation_ratio: float = 1e-5
@@ -168,6 +169,13 @@ class LGCOptions(CodecOptions):
         if self.ae_train_steps == 0:
             raise ValueError("ae_train_steps must be >= 1 step (or a fraction of the run): the AE trains on stage 2")
         self._set("ratio", check_fraction("ratio", self.ratio))
+        if self.light_ratio is not None:
+            self._set("light_ratio", check_fraction("light_ratio", self.light_ratio))
+            if self.light_ratio < self.ratio:
+                raise ValueError(
+                    f"light_ratio (the support at the light level) must be at least ratio ({self.ratio}), "
+                    f"got {self.light_ratio}"
+                )
         check_density_warmup(self)
         self._set("innovation_ratio", check_fraction("innovation_ratio", self.innovation_ratio))
         if self.innovation_ratio >= self.ratio:
@@ -232,6 +240,10 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             which trained clearly worse than plain all-reduce here, see docs/codecs/lgc.md).
             The support travels as an Elias-Fano code (about ``2 + log2(1/ratio)`` bits a
             position), so the steady ratio stays above 100.
+        light_ratio: the support's fraction at compression level 0, the level controller's light
+            steps; ``None`` (default): ten times ``ratio``, at most 0.25. At 1.0 the light steps
+            send every value of a layer (no positions travel), each in ``code_bits`` bits once the
+            code is learned: no coordinate waits for its turn there.
         innovation_ratio: ``"ps"`` only: fraction of each layer's entries sent as innovation
             (SOFF's rho_i: 1e-5); must be below ``ratio``.
         latent_channels: AE code channels; the code is ``latent_channels / 16`` of the kept values
@@ -409,10 +421,13 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
 
     @property
     def kept_fraction(self) -> float:
-        """The support's fraction at the compression level in use: ``ratio`` at level 1, ten
-        times denser (at most 0.25) at level 0, geometric in between (``AdjustableLevel``)."""
-        ratio = self.options.ratio
-        return geometric_level(min(max(10 * ratio, ratio), 0.25), ratio, self.compression_level)
+        """The support's fraction at the compression level in use: ``ratio`` at level 1,
+        ``light_ratio`` (by default ten times denser, at most 0.25) at level 0, geometric in
+        between (``AdjustableLevel``)."""
+        ratio, light = self.options.ratio, self.options.light_ratio
+        if light is None:
+            light = min(max(10 * ratio, ratio), 0.25)
+        return geometric_level(light, ratio, self.compression_level)
 
     def k_for(self, numel: int, step: int | None = None) -> int:
         """Size of a layer's shared support at ``step``: ``ceil(f * numel)``, at least 1, with ``f``
