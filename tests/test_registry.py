@@ -145,6 +145,7 @@ _OPTION_CHANGES = {
     ("lgc", "density_warmup_start"): ("<absent>", 0.25),
     ("lgc", "refit_every"): ("<absent>", 100),  # the levels fitted again in stage 3
     ("lgc", "code_denser"): ("<absent>", True),  # the code also carries the controller's denser support
+    ("lgc", "light_ratio"): ("<absent>", None),  # None: the light level's support as before (10 x ratio, <= 0.25)
     ("lgc", "ratio"): (0.01, 0.0075),  # a steady ratio of 300 on ResNet-18 (docs/codecs/lgc.md)
     ("lgc", "warmup_codec"): ("<absent>", "allreduce"),  # stage 1 dense unless PowerSGD is asked for
     ("lgc", "warmup_rank"): ("<absent>", 4),

@@ -242,8 +242,11 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             position), so the steady ratio stays above 100.
         light_ratio: the support's fraction at compression level 0, the level controller's light
             steps; ``None`` (default): ten times ``ratio``, at most 0.25. At 1.0 the light steps
-            send every value of a layer (no positions travel), each in ``code_bits`` bits once the
-            code is learned: no coordinate waits for its turn there.
+            send every value of a layer and no positions, in ``code_bits`` bits where the run-time
+            guard passes the code (on PSPNet/CamVid the 2-bit levels missed its 0.35 on whole
+            layers, so those steps went exactly): no coordinate waits for its turn there. Denser
+            light steps closed the early gap to plain all-reduce beside AdamW but not the final
+            one (docs/codecs/lgc.md, "Beside Adam: the light steps are not what costs").
         innovation_ratio: ``"ps"`` only: fraction of each layer's entries sent as innovation
             (SOFF's rho_i: 1e-5); must be below ``ratio``.
         latent_channels: AE code channels; the code is ``latent_channels / 16`` of the kept values
