@@ -69,11 +69,17 @@ def test_invalid_options_name_the_option(opts, match):
 
 @pytest.mark.parametrize(
     "opts, light",
-    [(dict(ratio=0.01), 0.1), (dict(ratio=0.07), 0.25), (dict(ratio=0.07, light_ratio=1.0), 1.0)],
+    [
+        (dict(ratio=0.01), 0.1),
+        (dict(ratio=0.07), 0.25),
+        (dict(ratio=0.4), 0.4),
+        (dict(ratio=0.07, light_ratio=1.0), 1.0),
+    ],
 )
 def test_the_light_level_keeps_light_ratio_of_each_layer(opts, light):
-    """Level 1 keeps ``ratio``, level 0 ``light_ratio`` (ten times ``ratio``, at most 0.25, unless
-    given), each halfway level the geometric mean; at a light ratio of 1 the whole layer travels."""
+    """Level 1 keeps ``ratio``, level 0 ``light_ratio`` (ten times ``ratio``, at most 0.25 but
+    never less than ``ratio``, unless given), each halfway level the geometric mean; at a light
+    ratio of 1 the whole layer travels."""
     codec = make_codec("lgc", **opts)
     ratio = opts["ratio"]
     assert codec.kept_fraction == pytest.approx(ratio)

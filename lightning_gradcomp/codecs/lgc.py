@@ -241,7 +241,8 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             The support travels as an Elias-Fano code (about ``2 + log2(1/ratio)`` bits a
             position), so the steady ratio stays above 100.
         light_ratio: the support's fraction at compression level 0, the level controller's light
-            steps; ``None`` (default): ten times ``ratio``, at most 0.25. At 1.0 the light steps
+            steps; ``None`` (default): ten times ``ratio``, at most 0.25 (``ratio`` itself when it is
+            larger: the light level is never sparser than the heavy one). At 1.0 the light steps
             send every value of a layer and no positions, in ``code_bits`` bits where the run-time
             guard passes the code (on PSPNet/CamVid the 2-bit levels missed its 0.35 on whole
             layers, so those steps went exactly): no coordinate waits for its turn there. Denser
@@ -425,11 +426,12 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
     @property
     def kept_fraction(self) -> float:
         """The support's fraction at the compression level in use: ``ratio`` at level 1,
-        ``light_ratio`` (by default ten times denser, at most 0.25) at level 0, geometric in
+        ``light_ratio`` (by default ten times denser, at most 0.25 unless ``ratio`` is larger) at level 0, geometric in
         between (``AdjustableLevel``)."""
         ratio, light = self.options.ratio, self.options.light_ratio
         if light is None:
-            light = min(max(10 * ratio, ratio), 0.25)
+            # never sparser than the heavy level: a support of more than 25 % stays as it is
+            light = max(min(10 * ratio, 0.25), ratio)
         return geometric_level(light, ratio, self.compression_level)
 
     def k_for(self, numel: int, step: int | None = None) -> int:
