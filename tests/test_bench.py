@@ -228,6 +228,39 @@ def test_plot_writes_figures_and_markdown(tmp_path):
     assert again.count(plot.BEGIN) == 1 and again.count("| codec | 10 Mbit/s") == 1
 
 
+def test_plot_tabulates_every_accuracy_study_paired_with_none_on_its_own_seeds(tmp_path):
+    """Several studies (``accuracy*/accuracy.json``): a section each with its summary, ``vs none``
+    paired per seed within the study, and no per-run table or figure (their rows are in the CSV)."""
+    res = _results(tmp_path)
+    meta = {"max_epochs": 10, "devices": 2, "accelerator": "cpu", "machine": {}}
+    runs = [("none", 0, 0.40), ("none", 1, 0.38), ("fft@peak", 0, 0.39), ("fft@peak", 1, 0.36)]
+    rows = [
+        {
+            "task": "camvid",
+            "codec": c,
+            "seed": s,
+            "max_epochs": 10,
+            "metric_name": "val/miou",
+            "metric": m,
+            "bytes_sent": 1e9,
+        }
+        for c, s, m in runs
+    ]
+    (res / "accuracy_camvid").mkdir()
+    (res / "accuracy_camvid" / "accuracy.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    md, figures = tmp_path / "docs" / "benchmarks.md", tmp_path / "docs" / "figures"
+    assert bench_main(["plot", "--results", str(res), "--figures", str(figures), "--markdown", str(md)]) == 0
+    text = md.read_text()
+    assert text.count("## Accuracy against bytes sent") == 1
+    assert "### camvid: `" in text and "### cifar10: `" in text
+    assert "accuracy_camvid/accuracy.csv`" in text and "Each run:" not in text
+    assert "| camvid | fft@peak | 10 epochs | 0,1 | val/miou | 0.3750 |" in text
+    assert "| -0.0150 |" in text  # (0.39 - 0.40 + 0.36 - 0.38) / 2, each seed against its own none
+    assert not list(figures.glob("accuracy_*.png"))
+    with pytest.raises(SystemExit, match="no accuracy results at"):
+        bench_main(["plot", "--results", str(res), "--accuracy", str(tmp_path / "absent.json")])
+
+
 # --------------------------------------------------------------------------------------------------
 # codecs: cost on real gradients, learned codecs fitted first
 def _cifar_like_tarball(path: Path, per_class: int = 3) -> Path:

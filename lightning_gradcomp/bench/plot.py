@@ -14,7 +14,10 @@ under ``--results`` (whichever exist), draws PNGs with matplotlib's Agg backend 
 
 and, with ``--markdown``, writes the tables, the figures and the machine they ran on. The
 time-to-accuracy table comes from ``tta/tta.json`` when ``tta`` was run, else it is computed here
-with ``tta``'s defaults.
+with ``tta``'s defaults. Every accuracy study under ``--results`` (``accuracy*/accuracy.json``, or
+the files ``--accuracy`` names) gets its summary table; a lone study also its runs and an
+``accuracy_<task>.png``. The time-to-accuracy table and figure come from ``accuracy/accuracy.json``
+alone.
 """
 
 from __future__ import annotations
@@ -59,6 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="directory holding link/, codecs/, accuracy/, tta/ (default: %(default)s)",
     )
     p.add_argument("--figures", default=str(paths.figures_dir()), help="where the PNGs go (default: %(default)s)")
+    p.add_argument(
+        "--accuracy",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="accuracy result files to tabulate, one study each (default: every "
+        "accuracy*/accuracy.json under --results)",
+    )
     p.add_argument(
         "--markdown",
         nargs="?",
@@ -301,12 +312,23 @@ def _machine_text(meta: dict[str, Any]) -> str:
     )
 
 
-def write_markdown(path: Path, results: Path, figures: list[Path]) -> Path:
+def _accuracy_studies(results: Path, files: list[str] | None) -> list[tuple[Path, dict[str, Any]]]:
+    """``(path, results)`` of each accuracy study: ``files``, or every ``accuracy*/accuracy.json``
+    under ``results``."""
+    candidates = [Path(f) for f in files] if files else sorted(results.glob("accuracy*/accuracy.json"))
+    missing = [str(f) for f in candidates if files and not f.exists()]
+    if missing:
+        raise SystemExit(f"plot: no accuracy results at {', '.join(missing)}")
+    return [(f, read_json(f)) for f in candidates if f.exists()]
+
+
+def write_markdown(path: Path, results: Path, figures: list[Path], accuracy_files: list[str] | None = None) -> Path:
     link = _load(results / "link" / "link.json")
     codecs = _load(results / "codecs" / "codecs.json")
-    acc = _load(results / "accuracy" / "accuracy.json")
-    tta = time_to_accuracy(results, acc, link)
-    meta = next((d["meta"] for d in (link, codecs, acc) if d), {})
+    studies = _accuracy_studies(results, accuracy_files)
+    # tta pairs the default accuracy file's histories with the link file's step times
+    tta = time_to_accuracy(results, _load(results / "accuracy" / "accuracy.json"), link)
+    meta = next((d["meta"] for d in (link, codecs, *(a for _, a in studies)) if d), {})
     lines = [BEGIN, "", "Machine: " + _machine_text(meta), ""]
 
     def rel(p):
@@ -357,19 +379,34 @@ def write_markdown(path: Path, results: Path, figures: list[Path]) -> Path:
             markdown_table(codecs["rows"], codecs_mod.columns_for(codecs["rows"])),
             "",
         ]
-    if acc:
+    if studies:
+        lines += ["## Accuracy against bytes sent (`accuracy`)", ""]
+    for acc_path, acc in studies:
         am = acc["meta"]
         acc_rows = accuracy_mod.fill_older_rows(acc["rows"], am)
         budget = accuracy_mod.budget_label(am)
-        seeds = am.get("seeds") or [0]
+        seeds = sorted({r.get("seed", 0) for r in acc_rows}) or [0]
+        tasks = sorted({r["task"] for r in acc_rows})
+        if len(studies) > 1:
+            lines += [f"### {', '.join(tasks)}: `{rel(acc_path)}`", ""]
         lines += [
-            "## Accuracy against bytes sent (`accuracy`)",
-            "",
-            f"The recipes, {budget} each, {am.get('devices')} ranks on CPU, "
+            f"The recipes, {budget} each, {am.get('devices')} ranks on {am.get('accelerator') or 'cpu'}, "
             f"seed{'s' if len(seeds) > 1 else ''} {', '.join(str(s) for s in seeds)}. Per configuration: the "
-            "mean over the seeds, `max-min` their spread, the compression ratio at the last step (`ratio last`, "
-            "steady state) and over the whole run (`ratio run`, dense warm-up steps included).",
+            "mean over its seeds, `max-min` their spread, `vs none` paired with `none` on the same seeds, the "
+            "compression ratio at the last step (`ratio last`, steady state) and over the whole run "
+            "(`ratio run`, dense warm-up steps included).",
             "",
+        ]
+        if len(studies) > 1:
+            # a study grows by many invocations: each run's own command is in the file, not one line here
+            lines += [
+                f"Each run's row, with the command that made it, is in `{rel(acc_path.with_suffix('.csv'))}`.",
+                "",
+                markdown_table(accuracy_mod.summarize(acc_rows), accuracy_mod.SUMMARY_COLUMNS),
+                "",
+            ]
+            continue
+        lines += [
             *_commands(am.get("argv", [])),
             "",
             markdown_table(accuracy_mod.summarize(acc_rows), accuracy_mod.SUMMARY_COLUMNS),
@@ -459,19 +496,21 @@ def main(args: argparse.Namespace) -> int:
     results, figdir = Path(args.results), Path(args.figures)
     figures: list[Path] = []
     link = _load(results / "link" / "link.json")
+    studies = _accuracy_studies(results, args.accuracy)
     acc = _load(results / "accuracy" / "accuracy.json")
     if link:
         figures += plot_link(link["rows"], figdir)
-    if acc:
-        figures += plot_accuracy(acc["rows"], figdir)
+    if len(studies) == 1:
+        # one point per configuration: legible for a handful of codecs, not for a study's dozens
+        figures += plot_accuracy(studies[0][1]["rows"], figdir)
     if acc and link:
         figures += plot_accuracy_vs_time(acc, link, figdir)
     for f in figures:
         print(f"wrote {f}")
     if args.markdown:
         markdown = paths.benchmarks_markdown() if args.markdown is True else Path(args.markdown)
-        print(f"wrote {write_markdown(markdown, results, figures)}")
-    if not (link or acc or (results / "codecs" / "codecs.json").exists()):
+        print(f"wrote {write_markdown(markdown, results, figures, args.accuracy)}")
+    if not (link or studies or (results / "codecs" / "codecs.json").exists()):
         print(f"plot: no results under {results}", file=sys.stderr)
         return 1
     return 0

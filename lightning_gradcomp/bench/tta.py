@@ -70,8 +70,8 @@ NONE_FRACTION = 0.99
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--accuracy",
-        default=str(paths.results_dir("accuracy") / "accuracy.json"),
-        help="results of `accuracy` (default: %(default)s)",
+        default=str(paths.results_dir("accuracy_r18") / "accuracy.json"),
+        help="results of `accuracy` (default: the convergence study's, %(default)s)",
     )
     p.add_argument(
         "--link", default=str(paths.results_dir("link") / "link.json"), help="results of `link` (default: %(default)s)"
