@@ -247,7 +247,8 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             guard passes the code (on PSPNet/CamVid the 2-bit levels missed its 0.35 on whole
             layers, so those steps went exactly): no coordinate waits for its turn there. Denser
             light steps closed the early gap to plain all-reduce beside AdamW but not the final
-            one (docs/codecs/lgc.md, "Beside Adam: the light steps are not what costs").
+            one, and none at all cost 1.6 points (docs/codecs/lgc.md, "Beside Adam: light steps
+            denser than 25 % do not pay").
         innovation_ratio: ``"ps"`` only: fraction of each layer's entries sent as innovation
             (SOFF's rho_i: 1e-5); must be below ``ratio``.
         latent_channels: AE code channels; the code is ``latent_channels / 16`` of the kept values
