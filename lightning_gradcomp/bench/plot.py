@@ -390,7 +390,7 @@ def write_markdown(path: Path, results: Path, figures: list[Path], accuracy_file
         if len(studies) > 1:
             lines += [f"### {', '.join(tasks)}: `{rel(acc_path)}`", ""]
         lines += [
-            f"The recipes, {budget} each, {am.get('devices')} ranks on {am.get('accelerator') or 'cpu'}, "
+            f"The recipes, {budget} each, {am.get('devices')} ranks on {(am.get('accelerator') or 'cpu').upper()}, "
             f"seed{'s' if len(seeds) > 1 else ''} {', '.join(str(s) for s in seeds)}. Per configuration: the "
             "mean over its seeds, `max-min` their spread, `vs none` paired with `none` on the same seeds, the "
             "compression ratio at the last step (`ratio last`, steady state) and over the whole run "
