@@ -322,10 +322,11 @@ def _accuracy_studies(results: Path, files: list[str] | None) -> list[tuple[Path
     return [(f, read_json(f)) for f in candidates if f.exists()]
 
 
-def write_markdown(path: Path, results: Path, figures: list[Path], accuracy_files: list[str] | None = None) -> Path:
+def write_markdown(path: Path, results: Path, figures: list[Path], studies: list[tuple[Path, dict[str, Any]]]) -> Path:
+    """The generated block of ``path``; ``studies``: the accuracy studies, as :func:`_accuracy_studies`
+    read them."""
     link = _load(results / "link" / "link.json")
     codecs = _load(results / "codecs" / "codecs.json")
-    studies = _accuracy_studies(results, accuracy_files)
     # tta pairs the default accuracy file's histories with the link file's step times
     tta = time_to_accuracy(results, _load(results / "accuracy" / "accuracy.json"), link)
     meta = next((d["meta"] for d in (link, codecs, *(a for _, a in studies)) if d), {})
@@ -381,13 +382,14 @@ def write_markdown(path: Path, results: Path, figures: list[Path], accuracy_file
         ]
     if studies:
         lines += ["## Accuracy against bytes sent (`accuracy`)", ""]
+    several = len(studies) > 1  # then a heading each, and no per-run table
     for acc_path, acc in studies:
         am = acc["meta"]
         acc_rows = accuracy_mod.fill_older_rows(acc["rows"], am)
         budget = accuracy_mod.budget_label(am)
         seeds = sorted({r.get("seed", 0) for r in acc_rows}) or [0]
         tasks = sorted({r["task"] for r in acc_rows})
-        if len(studies) > 1:
+        if several:
             lines += [f"### {', '.join(tasks)}: `{rel(acc_path)}`", ""]
         lines += [
             f"The recipes, {budget} each, {am.get('devices')} ranks on {(am.get('accelerator') or 'cpu').upper()}, "
@@ -397,25 +399,16 @@ def write_markdown(path: Path, results: Path, figures: list[Path], accuracy_file
             "(`ratio run`, dense warm-up steps included).",
             "",
         ]
-        if len(studies) > 1:
-            # a study grows by many invocations: each run's own command is in the file, not one line here
-            lines += [
-                f"Each run's row, with the command that made it, is in `{rel(acc_path.with_suffix('.csv'))}`.",
-                "",
-                markdown_table(accuracy_mod.summarize(acc_rows), accuracy_mod.SUMMARY_COLUMNS),
-                "",
-            ]
+        # a study grown by many invocations points to its CSV, where each run keeps its own command
+        source = (
+            [f"Each run's row, with the command that made it, is in `{rel(acc_path.with_suffix('.csv'))}`."]
+            if several
+            else _commands(am.get("argv", []))
+        )
+        lines += [*source, "", markdown_table(accuracy_mod.summarize(acc_rows), accuracy_mod.SUMMARY_COLUMNS), ""]
+        if several:
             continue
-        lines += [
-            *_commands(am.get("argv", [])),
-            "",
-            markdown_table(accuracy_mod.summarize(acc_rows), accuracy_mod.SUMMARY_COLUMNS),
-            "",
-            "Each run:",
-            "",
-            markdown_table(acc_rows, accuracy_mod.COLUMNS),
-            "",
-        ]
+        lines += ["Each run:", "", markdown_table(acc_rows, accuracy_mod.COLUMNS), ""]
         lines += [f"![accuracy]({rel(p)})" for p in figures if _is_accuracy_figure(p)] + [""]
     if tta:
         tm = tta["meta"]
@@ -509,7 +502,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"wrote {f}")
     if args.markdown:
         markdown = paths.benchmarks_markdown() if args.markdown is True else Path(args.markdown)
-        print(f"wrote {write_markdown(markdown, results, figures, args.accuracy)}")
+        print(f"wrote {write_markdown(markdown, results, figures, studies)}")
     if not (link or studies or (results / "codecs" / "codecs.json").exists()):
         print(f"plot: no results under {results}", file=sys.stderr)
         return 1
