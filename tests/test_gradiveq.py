@@ -54,6 +54,8 @@ def fitted_codec(world: int = 1, n: int = 2000, steps: int = 3, **opts) -> tuple
         ({"basis": "global"}, "basis"),
         ({"quant_levels": -1}, "quant_levels"),
         ({"quant_levels": 2**23}, "quant_levels"),
+        ({"quant_scale": "tensor"}, "quant_scale"),
+        ({"quant_rounding": "up"}, "quant_rounding"),
         ({"min_numel": -5}, "min_numel"),
     ],
 )
@@ -178,34 +180,77 @@ def test_decode_is_the_projection_and_is_idempotent(center):
     torch.testing.assert_close(again, local, atol=1e-5, rtol=0)
 
 
-def test_packed_quantized_levels_sum_exactly_and_are_unbiased():
+def _shared_scale(codec: GradiVeQCodec, xs: list[torch.Tensor]) -> torch.Tensor:
+    """What prepare_bucket's all-reduce(MAX) of every rank's scales would give."""
+    return torch.stack([codec._local_scale(codec._coefficients(v, "w")) for v in xs]).amax(0)
+
+
+@pytest.mark.parametrize("quant_scale", ["component", "layer"])
+@pytest.mark.parametrize("quant_rounding", ["nearest", "stochastic"])
+def test_packed_quantized_levels_sum_exactly(quant_scale, quant_rounding):
     world = 2
-    codec, g = fitted_codec(world=world, n=8 * 200, quant_levels=7)
+    codec, g = fitted_codec(
+        world=world, n=8 * 200, quant_levels=7, quant_scale=quant_scale, quant_rounding=quant_rounding
+    )
     xs = [torch.randn(8 * 200 + 3, generator=g) for _ in range(world)]
-    # the shared scale is what prepare_bucket's all-reduce(MAX) would give
-    scale = max(codec._coefficients(v, "w").abs().max() for v in xs)
+    scale = _shared_scale(codec, xs)
+    assert scale.shape == ((3,) if quant_scale == "component" else (1,))
     encs = []
     for r, v in enumerate(xs):
         codec.context = CodecContext(r, world, torch.device("cpu"))
         encs.append(codec.encode(v, "w", None, 10, prepared=_SharedScale(scale)))
     b, f = codec._field_bits()
     assert (b, f) == (5, 4)  # levels sum to [0, 28]: 5 bits, 4 fields per fp32 word
-    assert encs[0].payload[0].numel() == -(-200 * 3 // f) + 1
+    assert encs[0].payload[0].numel() == -(-200 * 3 // f) + scale.numel()
+    assert codec.payload_numel(xs[0].numel()) == sum(p.numel() for p in encs[0].payload)
     summed = [encs[0].payload[i] + encs[1].payload[i] for i in range(2)]
     total = codec.decode(summed, encs[0].ctx, xs[0].numel(), world)
     n = xs[0].numel()
     torch.testing.assert_close(
         total, local_reconstruction(codec, encs[0], n) + local_reconstruction(codec, encs[1], n), atol=1e-5, rtol=0
     )
-    # unbiased: averaging many independently rounded encodings approaches the exact projection
-    exact = codec._coefficients(xs[0], "w").reshape(-1)
+    # every decoded coefficient lies within one level step of its own component's scale (half a
+    # step when rounded to the nearest)
+    exact = codec._coefficients(xs[0], "w")
+    got = codec._dequantize(encs[0].payload[0], exact.numel(), 1, 3).view_as(exact)
+    step = scale / 7
+    bound = step / 2 if quant_rounding == "nearest" else step
+    assert ((got - exact).abs() <= bound * (1 + 1e-5)).all()
+
+
+def test_stochastic_levels_are_unbiased_and_nearest_levels_have_the_smaller_error():
+    codec, g = fitted_codec(world=1, n=8 * 200, quant_levels=7, quant_rounding="stochastic")
+    x = torch.randn(8 * 200, generator=g)
+    scale = _shared_scale(codec, [x])
+    exact = codec._coefficients(x, "w").reshape(-1)
     draws = []
     for step in range(200):
-        coef = codec.encode(xs[0], "w", None, step, prepared=_SharedScale(scale)).payload[0]
-        draws.append(codec._dequantize(coef, exact.numel(), 1))
+        coef = codec.encode(x, "w", None, step, prepared=_SharedScale(scale)).payload[0]
+        draws.append(codec._dequantize(coef, exact.numel(), 1, 3))
     err_mean = (torch.stack(draws).mean(0) - exact).abs().max()
     err_one = (draws[0] - exact).abs().max()
     assert err_mean < err_one / 5
+    nearest, _ = fitted_codec(world=1, n=8 * 200, quant_levels=7, quant_rounding="nearest")
+    got = nearest._dequantize(
+        nearest.encode(x, "w", None, 0, prepared=_SharedScale(scale)).payload[0], exact.numel(), 1, 3
+    )
+    assert (got - exact).norm() < (draws[0] - exact).norm()
+
+
+def test_a_scale_per_component_quantizes_the_weaker_components_finer():
+    # component 0 carries most of the energy: one scale for the layer leaves the others few levels
+    by_layer, g = fitted_codec(world=1, n=8 * 200, quant_levels=7, quant_scale="layer")
+    by_component, _ = fitted_codec(world=1, n=8 * 200, quant_levels=7, quant_scale="component")
+    x = torch.randn(8 * 200, generator=g)
+    errors = []
+    for codec in (by_layer, by_component):
+        exact = codec._coefficients(x, "w")
+        scale = _shared_scale(codec, [x])
+        got = codec._dequantize(
+            codec.encode(x, "w", None, 0, prepared=_SharedScale(scale)).payload[0], exact.numel(), 1, 3
+        )
+        errors.append((got.view_as(exact) - exact).norm())
+    assert errors[1] < errors[0]
 
 
 def test_state_dict_round_trip_through_weights_only_load():
@@ -356,7 +401,8 @@ def test_two_ranks_sum_codes_in_the_all_reduce():
         raw = 4 * (sum(numels.values()) + 1)  # one bucket, one flag
         expect = 4 * (sum(res["payload_numel"].values()) + dense + 1)
         assert res["payload"][:WARMUP] == [raw] * WARMUP
-        assert res["payload"][WARMUP:] == [expect + (8 if name == "q" else 0)] * 2  # q: + 2 shared scales
+        # q: + the all-reduce(MAX) of the shared scales, one per component (2) of each layer (2)
+        assert res["payload"][WARMUP:] == [expect + (4 * 2 * 2 if name == "q" else 0)] * 2
         if ratio:  # slices of 8 sent as 2 coefficients, each weight's tail of 4 raw, small layers raw
             assert expect == 4 * ((3300 // 8) * 2 + 4 + (1100 // 8) * 2 + 4 + dense + 1)
     assert r0["q"]["payload"][-1] < r0["k4"]["payload"][-1] / 3  # 7 levels: 4 codes in a word
