@@ -1501,3 +1501,25 @@ def test_link_repeats_alternate_the_order_and_keep_each_codecs_median_run(tmp_pa
     assert link.combine_repeats([[{"codec": "none", "step_s": 2.0}]]) == [{"codec": "none", "step_s": 2.0}]
     with pytest.raises(SystemExit, match="--repeats must be >= 1"):
         bench_main(argv[:-1] + ["0", "--out", str(out)])
+
+
+def test_pcaquant_measures_the_quantization_choices_of_gradiveq_on_real_gradients(shared_data, tmp_path, capsys):
+    """bench pcaquant: every row shares the PCA error; rounding to the nearest level loses less than
+    stochastic rounding with either scale, and the scale per component less than the one per layer."""
+    import json
+
+    from lightning_gradcomp.bench.__main__ import main
+
+    out = tmp_path / "pcaquant"
+    argv = ["pcaquant", "--task", "cifar10", "--data", str(shared_data / "cifar10-jpeg.tar.gz")]
+    assert main([*argv, "--batch-size", "8", "--warmup", "1", "--steps", "2", "--out", str(out)]) == 0
+    rows = {
+        (r["quant_scale"], r["quant_rounding"]): r
+        for r in json.loads((out / "pcaquant_cifar10.json").read_text())["rows"]
+    }
+    assert len(rows) == 4 and len({round(r["pca_error"], 9) for r in rows.values()}) == 1
+    for scale in ("component", "layer"):
+        assert rows[(scale, "nearest")]["quant_error"] < rows[(scale, "stochastic")]["quant_error"]
+    assert rows[("component", "nearest")]["quant_error"] < rows[("layer", "nearest")]["quant_error"]
+    assert 0 < rows[("component", "nearest")]["total_error"] < 1
+    assert "quant_scale" in capsys.readouterr().out

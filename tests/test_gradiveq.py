@@ -401,8 +401,8 @@ def test_two_ranks_sum_codes_in_the_all_reduce():
         raw = 4 * (sum(numels.values()) + 1)  # one bucket, one flag
         expect = 4 * (sum(res["payload_numel"].values()) + dense + 1)
         assert res["payload"][:WARMUP] == [raw] * WARMUP
-        # q: + the all-reduce(MAX) of the shared scales, one per component (2) of each layer (2)
-        assert res["payload"][WARMUP:] == [expect + (4 * 2 * 2 if name == "q" else 0)] * 2
+        # q: + the all-reduce(MAX) of the shared scales, one per layer (2)
+        assert res["payload"][WARMUP:] == [expect + (4 * 2 if name == "q" else 0)] * 2
         if ratio:  # slices of 8 sent as 2 coefficients, each weight's tail of 4 raw, small layers raw
             assert expect == 4 * ((3300 // 8) * 2 + 4 + (1100 // 8) * 2 + 4 + dense + 1)
     assert r0["q"]["payload"][-1] < r0["k4"]["payload"][-1] / 3  # 7 levels: 4 codes in a word
