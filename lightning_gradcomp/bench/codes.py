@@ -44,11 +44,19 @@ from lightning_gradcomp.bench.results import Column, format_table, machine_info,
 TASKS = ("cifar10", "camvid")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--task", choices=TASKS, default="cifar10", help="ResNet-18 on CIFAR-10 or PSPNet on CamVid")
+DEFAULT_BATCH = {"cifar10": 32, "camvid": 4}  # per rank
+
+
+def add_task_arguments(p: argparse.ArgumentParser, task: str) -> None:
+    """The task, its data and the simulated ranks: what every verb on :func:`make_task` takes."""
+    p.add_argument("--task", choices=TASKS, default=task, help="ResNet-18 on CIFAR-10 or PSPNet on CamVid")
     p.add_argument("--data", default=None, help="the CIFAR-10 tarball or tree, or the CamVid directory")
     p.add_argument("--ranks", type=int, default=2, help="simulated ranks (default 2)")
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default 32 for cifar10, 4 for camvid)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_task_arguments(p, "cifar10")
     p.add_argument("--warmup", type=int, default=20, help="dense steps before collecting (default 20)")
     p.add_argument("--collect", type=int, default=80, help="stage-2 steps whose values are kept (default 80)")
     p.add_argument("--ratio", type=float, default=1e-2, help="support fraction per layer (lgc's default 1e-2)")
@@ -118,11 +126,20 @@ def _camvid_task(
     return model, draw(), lambda out, y: F.cross_entropy(out, y, ignore_index=recipe.VOID), opt
 
 
+def make_task(
+    task: str, data: str | None, batch: int | None, seed: int
+) -> tuple[nn.Module, Iterator, Callable, torch.optim.Optimizer]:
+    """The model, an endless iterator of real batches, the loss and the optimizer of ``task``;
+    ``batch`` per rank, None for the task's default."""
+    batch = batch or DEFAULT_BATCH[task]
+    return (_cifar_task if task == "cifar10" else _camvid_task)(data, batch, seed)
+
+
 def capture(
     task: str,
     data: str | None,
     ranks: int,
-    batch: int,
+    batch: int | None,
     warmup: int,
     collect: int,
     ratio: float,
@@ -138,7 +155,7 @@ def capture(
     from lightning_gradcomp.registry import make_codec
 
     torch.manual_seed(seed)
-    model, batches, loss_fn, opt = (_cifar_task if task == "cifar10" else _camvid_task)(data, batch, seed)
+    model, batches, loss_fn, opt = make_task(task, data, batch, seed)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     policy = make_codec("lgc")  # lgc's own layer policy: the stem and the classifier stay dense
     policy.plan_layers(named)
@@ -436,8 +453,9 @@ def inter_rank_cosine(held: list[dict[str, Tensor]]) -> float:
 
 
 def main(args: argparse.Namespace) -> int:
-    batch = args.batch_size or (32 if args.task == "cifar10" else 4)
-    cap = capture(args.task, args.data, args.ranks, batch, args.warmup, args.collect, args.ratio, args.seed, args.light)
+    cap = capture(
+        args.task, args.data, args.ranks, args.batch_size, args.warmup, args.collect, args.ratio, args.seed, args.light
+    )
     steps = _normalized(cap)
     n_held = max(1, len(steps) // 8)
     n_train = args.light if args.light else len(steps) - n_held  # under the controller: fitted on the light steps

@@ -20,24 +20,30 @@ One step's loss, without error feedback (which sends it later): what differs bet
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
 import torch
 
 from lightning_gradcomp.bench import paths
-from lightning_gradcomp.bench.codes import TASKS, _camvid_task, _cifar_task
+from lightning_gradcomp.bench.codes import add_task_arguments, make_task
+from lightning_gradcomp.bench.results import Column, format_table, machine_info, write_json
 from lightning_gradcomp.codecs.base import CodecContext
 from lightning_gradcomp.codecs.gradiveq import QUANT_ROUNDINGS, QUANT_SCALES, _directions, _scaled_gram
 from lightning_gradcomp.registry import make_codec
 
+COLUMNS = [
+    Column("quant_scale", "quant_scale"),
+    Column("quant_rounding", "rounding"),
+    Column("pca_error", "PCA", "{:.3f}"),
+    Column("quant_error", "quant", "{:.3f}"),
+    Column("total_error", "total", "{:.3f}"),
+    Column("per_rank_quant_error", "per rank", "{:.3f}"),
+]
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--task", choices=TASKS, default="camvid", help="ResNet-18 on CIFAR-10 or PSPNet on CamVid")
-    p.add_argument("--data", default=None, help="the CIFAR-10 tarball or tree, or the CamVid directory")
-    p.add_argument("--ranks", type=int, default=2, help="simulated ranks (default 2)")
-    p.add_argument("--batch-size", type=int, default=None, help="per rank (default 32 for cifar10, 4 for camvid)")
+    add_task_arguments(p, "camvid")
     p.add_argument("--warmup", type=int, default=10, help="dense steps before measuring (default 10)")
     p.add_argument("--steps", type=int, default=10, help="measured steps (default 10)")
     p.add_argument("--quant-levels", type=int, default=7, help="s, as gradiveq's quant_levels (default 7)")
@@ -48,9 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
-    batch = args.batch_size or (32 if args.task == "cifar10" else 4)
-    make_task = _cifar_task if args.task == "cifar10" else _camvid_task
-    model, batches, loss_fn, opt = make_task(args.data, batch, args.seed)
+    model, batches, loss_fn, opt = make_task(args.task, args.data, args.batch_size, args.seed)
     n, k = args.ranks, args.num_components
     variants = [(scale, rounding) for scale in QUANT_SCALES for rounding in QUANT_ROUNDINGS]
     codecs = {}
@@ -62,9 +66,9 @@ def main(args: argparse.Namespace) -> int:
         codecs[(scale, rounding)] = codec
     some = next(iter(codecs.values()))
     d, min_numel = some.options.slice_dim, some.harness.min_numel
-    energy, pca = 0.0, 0.0
+    energy, rank_energy, pca = 0.0, 0.0, 0.0  # of the mean gradient, of the ranks' own, left out by U
     quant = {v: 0.0 for v in variants}
-    own = {v: [0.0, 0.0] for v in variants}  # (error, energy) of the ranks' own coefficients
+    own = {v: 0.0 for v in variants}  # the ranks' own coefficients' error
     gen = torch.Generator().manual_seed(args.seed)
     for step in range(args.warmup + args.steps):
         grads = []
@@ -88,6 +92,7 @@ def main(args: argparse.Namespace) -> int:
             coefs = [g @ u for g in slices]
             mean, mean_c = sum(slices) / n, sum(coefs) / n
             energy += mean.pow(2).sum().item()
+            rank_energy += sum(g.pow(2).sum().item() for g in slices)
             pca += (mean - mean_c @ u.T).pow(2).sum().item()
             for v, codec in codecs.items():
                 shared = torch.stack([codec._local_scale(c) for c in coefs]).amax(0)
@@ -95,9 +100,7 @@ def main(args: argparse.Namespace) -> int:
                     codec._dequantize(codec._quantize(c, shared, gen), c.numel(), 1, k).view_as(c) for c in coefs
                 ]
                 quant[v] += (sum(decoded) / n - mean_c).pow(2).sum().item()
-                for c, q, g in zip(coefs, decoded, slices):
-                    own[v][0] += (q - c).pow(2).sum().item()
-                    own[v][1] += g.pow(2).sum().item()
+                own[v] += sum((q - c).pow(2).sum().item() for c, q in zip(coefs, decoded))
     rows = []
     for v in variants:
         q, p_ = math.sqrt(quant[v] / energy), math.sqrt(pca / energy)
@@ -108,20 +111,18 @@ def main(args: argparse.Namespace) -> int:
                 "pca_error": p_,
                 "quant_error": q,
                 "total_error": math.sqrt(p_**2 + q**2),  # U's span and its complement are orthogonal
-                "per_rank_quant_error": math.sqrt(own[v][0] / own[v][1]),
+                "per_rank_quant_error": math.sqrt(own[v] / rank_energy),
             }
         )
-    head = f"{'quant_scale':>11}  {'rounding':>10}  {'PCA':>5}  {'quant':>5}  {'total':>5}  {'per rank':>8}"
     print(f"{args.task}, {n} ranks, k={k}, s={args.quant_levels}, {args.steps} steps after {args.warmup} dense ones")
-    print(head)
-    for r in rows:
-        print(
-            f"{r['quant_scale']:>11}  {r['quant_rounding']:>10}  {r['pca_error']:5.3f}  {r['quant_error']:5.3f}  "
-            f"{r['total_error']:5.3f}  {r['per_rank_quant_error']:8.3f}"
-        )
-    out = Path(args.out or paths.results_dir("pcaquant"))
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"pcaquant_{args.task}.json"
-    path.write_text(json.dumps({"argv": args.argv, "rows": rows}, indent=1))
+    print(format_table(rows, COLUMNS))
+    path = write_json(
+        Path(args.out or paths.results_dir("pcaquant")) / f"pcaquant_{args.task}.json",
+        {
+            "command": "python -m lightning_gradcomp.bench " + " ".join(args.argv),
+            "machine": machine_info(),
+            "rows": rows,
+        },
+    )
     print(f"wrote {path}")
     return 0
