@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +113,9 @@ def _camvid_task(
     spec = importlib.util.spec_from_file_location("pspnet_camvid", paths.recipes_dir() / "pspnet_camvid.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
+    # the recipe's crops, scales and flips draw from Python's random, which the recipe seeds through
+    # seed_everything and torch.manual_seed does not: seeded here, a run repeats its batches
+    random.seed(seed)
     dataset = recipe.CamVid(recipe.find_data_dir(data), "train", crop=256, scale=(0.75, 1.25))
     loader = torch.utils.data.DataLoader(
         dataset, batch, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(seed)

@@ -30,8 +30,8 @@ Quantization of ``c`` (``quant_levels = s``). Every rank scales layer ``l`` by t
 the default, QSGD's: unbiased, ``E[q] a / s = c``), or to the nearest (``"nearest"``:
 ``|q a / s - c| <= a / 2s``, half the mean squared error, biased, error feedback keeping the
 rounding error). Measured on real gradients at ``k=4, s=7`` (``bench pcaquant``), the scale per
-component and the nearest level halve one step's quantization error of the mean gradient (0.35 of
-its norm to 0.16 on PSPNet/CamVid, 0.32 to 0.16 on ResNet-18/CIFAR-10), yet the two together
+component and the nearest level halve one step's quantization error of the mean gradient (0.38 of
+its norm to 0.17 on PSPNet/CamVid, 0.32 to 0.16 on ResNet-18/CIFAR-10), yet the two together
 ended ResNet-18's one-epoch run 4.3 points lower (both seeds) and PSPNet's run on CamVid no
 higher (docs/codecs/gradiveq.md): one step's error is not what training pays for, so the
 defaults stay unbiased.
