@@ -237,6 +237,15 @@ class CompressedDDPStrategy(DDPStrategy):
                 "The run goes on with this run's options; give the checkpoint's in codec_options to continue "
                 "as it ran."
             )
+        # an option the checkpoint recorded and this version does not have (removed or renamed):
+        # it cannot be given back, so the run cannot continue exactly as it ran; say so once
+        unknown = sorted(saved.keys() - current.keys())
+        if unknown:
+            pairs = ", ".join(f"{k}={saved[k]!r}" for k in unknown)
+            rank_zero_warn(
+                f"the checkpoint's codec {self.codec.name!r} ran with options this version does not have: "
+                f"{pairs}. They are ignored; the run goes on with this version's options {sorted(current)}."
+            )
 
     def _warn_sparse_codec_with_adaptive_optimizer(self, trainer: pl.Trainer) -> None:
         """Warn once when a sparsifying codec with error feedback meets Adam-like optimizers.
