@@ -244,7 +244,7 @@ class CompressedDDPStrategy(DDPStrategy):
             pairs = ", ".join(f"{k}={saved[k]!r}" for k in unknown)
             rank_zero_warn(
                 f"the checkpoint's codec {self.codec.name!r} ran with options this version does not have: "
-                f"{pairs}. They are ignored; the run goes on with this version's options {sorted(current)}."
+                f"{pairs}. They are ignored; the run goes on with this version's options."
             )
 
     def _warn_sparse_codec_with_adaptive_optimizer(self, trainer: pl.Trainer) -> None:

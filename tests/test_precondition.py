@@ -252,7 +252,7 @@ def test_a_resumed_run_takes_what_its_checkpoint_took_beside_adam_and_names_opti
     strategy = _set_up_beside("adamw", codec="lgc", resumed_from={"options": {**saved["options"], "old_knob": 3}})
     with pytest.warns(UserWarning, match=r"options this version does not have: old_knob=3") as caught:
         strategy._warn_options_differ_from_checkpoint()
-    assert len(caught) == 1 and "ratio" not in str(caught[0].message).split("does not have")[1].split(".")[0]
+    assert len(caught) == 1 and "ratio=" not in str(caught[0].message)  # the options both have agree
 
 
 def test_topk_keeps_its_residual_in_gradient_units_unless_told_otherwise():
