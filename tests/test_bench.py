@@ -256,6 +256,15 @@ def test_plot_tabulates_every_accuracy_study_paired_with_none_on_its_own_seeds(t
     assert "accuracy_camvid/accuracy.csv`" in text and "Each run:" not in text
     assert "| camvid | fft@peak | 10 epochs | 0,1 | val/miou | 0.3750 |" in text
     assert "| -0.0150 |" in text  # (0.39 - 0.40 + 0.36 - 0.38) / 2, each seed against its own none
+    assert "The recipes, 10 epochs each," in text
+    # a longer schedule beside the protocol's: the text names both budgets, whatever the meta says
+    rows.append({**rows[2], "codec": "fft@long", "max_epochs": 12})
+    meta["max_epochs"] = 12  # what the last invocation ran
+    (res / "accuracy_camvid" / "accuracy.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    assert bench_main(["plot", "--results", str(res), "--figures", str(figures), "--markdown", str(md)]) == 0
+    text = md.read_text()
+    assert "The recipes, each for the budget in its row (10 epochs; 12 epochs)," in text
+    assert "| camvid | fft@long | 12 epochs | 0 |" in text
     assert not list(figures.glob("accuracy_*.png"))
     with pytest.raises(SystemExit, match="no accuracy results at"):
         bench_main(["plot", "--results", str(res), "--accuracy", str(tmp_path / "absent.json")])

@@ -386,13 +386,16 @@ def write_markdown(path: Path, results: Path, figures: list[Path], studies: list
     for acc_path, acc in studies:
         am = acc["meta"]
         acc_rows = accuracy_mod.fill_older_rows(acc["rows"], am)
-        budget = accuracy_mod.budget_label(am)
+        # each row records its own budget, and a study may hold runs of several (a longer schedule
+        # beside the protocol's): the results' meta only says what the last invocation ran
+        budgets = sorted({accuracy_mod.budget_label(r) for r in acc_rows})
+        budget = f"{budgets[0]} each" if len(budgets) == 1 else f"each for the budget in its row ({'; '.join(budgets)})"
         seeds = sorted({r.get("seed", 0) for r in acc_rows}) or [0]
         tasks = sorted({r["task"] for r in acc_rows})
         if several:
             lines += [f"### {', '.join(tasks)}: `{rel(acc_path)}`", ""]
         lines += [
-            f"The recipes, {budget} each, {am.get('devices')} ranks on {(am.get('accelerator') or 'cpu').upper()}, "
+            f"The recipes, {budget}, {am.get('devices')} ranks on {(am.get('accelerator') or 'cpu').upper()}, "
             f"seed{'s' if len(seeds) > 1 else ''} {', '.join(str(s) for s in seeds)}. Per configuration: the "
             "mean over its seeds, `max-min` their spread, `vs none` paired with `none` on the same seeds, the "
             "compression ratio at the last step (`ratio last`, steady state) and over the whole run "
