@@ -102,15 +102,16 @@ def main(args: argparse.Namespace) -> int:
                 quant[v] += (sum(decoded) / n - mean_c).pow(2).sum().item()
                 own[v] += sum((q - c).pow(2).sum().item() for c, q in zip(coefs, decoded))
     rows = []
+    pca_error = math.sqrt(pca / energy)  # U is the same for every variant
     for v in variants:
-        q, p_ = math.sqrt(quant[v] / energy), math.sqrt(pca / energy)
+        q = math.sqrt(quant[v] / energy)
         rows.append(
             {
                 "quant_scale": v[0],
                 "quant_rounding": v[1],
-                "pca_error": p_,
+                "pca_error": pca_error,
                 "quant_error": q,
-                "total_error": math.sqrt(p_**2 + q**2),  # U's span and its complement are orthogonal
+                "total_error": math.sqrt(pca_error**2 + q**2),  # U's span and its complement are orthogonal
                 "per_rank_quant_error": math.sqrt(own[v] / rank_energy),
             }
         )
