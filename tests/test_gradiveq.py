@@ -185,12 +185,27 @@ def _shared_scale(codec: GradiVeQCodec, xs: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([codec._local_scale(codec._coefficients(v, "w")) for v in xs]).amax(0)
 
 
+@pytest.mark.parametrize(
+    ("world", "quant_levels", "bits", "fields"),
+    # a field holds the sum over the ranks, 2*N*s + 1 values: three levels pack six a word with two
+    # ranks where seven pack four, the same four with four ranks, and four against three with eight
+    [(2, 7, 5, 4), (2, 3, 4, 6), (4, 7, 6, 4), (4, 3, 5, 4), (8, 7, 7, 3), (8, 3, 6, 4)],
+)
+def test_field_width_follows_the_levels_and_the_world_size(world, quant_levels, bits, fields):
+    codec = make_codec("gradiveq", quant_levels=quant_levels)
+    codec.setup(CodecContext(0, world, torch.device("cpu")))
+    assert codec._field_bits() == (bits, fields)
+    # the payload of a layer of 64 slices of d=64 at k=4: ceil(256 / F) words and the scale
+    assert codec.payload_numel(64 * 64) == -(-64 * 4 // fields) + 1
+
+
 @pytest.mark.parametrize("quant_scale", ["component", "layer"])
 @pytest.mark.parametrize("quant_rounding", ["nearest", "stochastic"])
-def test_packed_quantized_levels_sum_exactly(quant_scale, quant_rounding):
+@pytest.mark.parametrize(("quant_levels", "bits", "fields"), [(7, 5, 4), (3, 4, 6)])
+def test_packed_quantized_levels_sum_exactly(quant_scale, quant_rounding, quant_levels, bits, fields):
     world = 2
     codec, g = fitted_codec(
-        world=world, n=8 * 200, quant_levels=7, quant_scale=quant_scale, quant_rounding=quant_rounding
+        world=world, n=8 * 200, quant_levels=quant_levels, quant_scale=quant_scale, quant_rounding=quant_rounding
     )
     xs = [torch.randn(8 * 200 + 3, generator=g) for _ in range(world)]
     scale = _shared_scale(codec, xs)
@@ -200,7 +215,7 @@ def test_packed_quantized_levels_sum_exactly(quant_scale, quant_rounding):
         codec.context = CodecContext(r, world, torch.device("cpu"))
         encs.append(codec.encode(v, "w", None, 10, prepared=_SharedScale(scale)))
     b, f = codec._field_bits()
-    assert (b, f) == (5, 4)  # levels sum to [0, 28]: 5 bits, 4 fields per fp32 word
+    assert (b, f) == (bits, fields)  # levels sum to [0, 4s]: s=7 5 bits, 4 a word; s=3 4 bits, 6 a word
     assert encs[0].payload[0].numel() == -(-200 * 3 // f) + scale.numel()
     assert codec.payload_numel(xs[0].numel()) == sum(p.numel() for p in encs[0].payload)
     summed = [encs[0].payload[i] + encs[1].payload[i] for i in range(2)]
@@ -213,7 +228,7 @@ def test_packed_quantized_levels_sum_exactly(quant_scale, quant_rounding):
     # step when rounded to the nearest)
     exact = codec._coefficients(xs[0], "w")
     got = codec._dequantize(encs[0].payload[0], exact.numel(), 1, 3).view_as(exact)
-    step = scale / 7
+    step = scale / quant_levels
     bound = step / 2 if quant_rounding == "nearest" else step
     assert ((got - exact).abs() <= bound * (1 + 1e-5)).all()
 
