@@ -6,4 +6,5 @@ bash scripts/setup.sh
 # lint and formatting first: they take a second and name the file and line
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-exec .venv/bin/python -m pytest -q tests "$@"
+# the slowest tests, so that a run that grows shows where
+exec .venv/bin/python -m pytest -q --durations=10 tests "$@"
