@@ -320,7 +320,8 @@ def resume_results(tmp_path_factory) -> dict[str, list[list[dict]]]:
     runs.append({**common, "ckpt_path": str(adamw / f"step={CUT}.ckpt"), "weights_only": True})
     # the earlier version's checkpoint beside AdamW, resumed with no options, and this version's
     # run with the options and the controller's rule that version took
-    runs.append({**common, "ckpt_path": str(PREVIOUS_ADAMW), "weights_only": True})
+    previous_adamw = {**common, "ckpt_path": str(PREVIOUS_ADAMW), "weights_only": True}
+    runs.append(previous_adamw)
     runs.append({**common, "codec_options": {**common["codec_options"], **PREVIOUS_ADAMW_OPTIONS}})
     runs[-1]["adaptive_level"] = True
     # a checkpoint records what its run took beside Adam: that wins over this version's defaults
@@ -328,28 +329,25 @@ def resume_results(tmp_path_factory) -> dict[str, list[list[dict]]]:
     edited["gradcomp"]["optimizer_defaults"] = {"options": {"ratio": 0.05}, "controller": {"lr_reference": "peak"}}
     torch.save(edited, adamw / "recorded.ckpt")
     runs.append({**common, "ckpt_path": str(adamw / "recorded.ckpt"), "weights_only": True})
-    # the same earlier checkpoints with their residuals zeroed: what losing the codec's state costs,
-    # the yardstick for runs compared across machines (see _assert_continues_as_it_ran)
-    zeroed = tmp_path_factory.mktemp("resume-zeroed")
-    for name, path, opts in [(c, PREVIOUS / f"{c}.ckpt", _previous_options(c)) for c in previous if c != "powersgd"] + [
-        ("adamw:lgc", PREVIOUS_ADAMW, common["codec_options"])
-    ]:
-        ckpt = torch.load(path, weights_only=True)
+    # the same earlier checkpoints with their residuals zeroed, resumed as the originals are: what
+    # losing the codec's state costs, the yardstick for runs compared across machines
+    # (_assert_continues_as_it_ran); powersgd is compared with a tolerance of its own
+    first = 2 * len(present)
+    resumes = {c: runs[first + i] for i, c in enumerate(previous) if c != "powersgd"}
+    resumes["adamw:lgc"] = previous_adamw
+    zeroed_dir, zeroed_runs = tmp_path_factory.mktemp("resume-zeroed"), []
+    for name, run in resumes.items():
+        ckpt = torch.load(run["ckpt_path"], weights_only=True)
         for rank_state in ckpt["gradcomp"]["ranks"]:
             for key in [k for k in rank_state if k.startswith("residual.")]:
                 rank_state[key] = torch.zeros_like(rank_state[key])
-        torch.save(ckpt, zeroed / f"{name.replace(':', '-')}.ckpt")
-        model = common["model"] if name == "adamw:lgc" else {"step_data": True, "momentum": 0.9}
-        runs.append({"codec": name.split(":")[-1], "codec_options": opts, "max_steps": STEPS, "model": model})
-        runs[-1].update(ckpt_path=str(zeroed / f"{name.replace(':', '-')}.ckpt"), weights_only=True)
-        if name != "adamw:lgc":
-            runs[-1]["adaptive_level"] = False
-    zeroed_names = [c for c in previous if c != "powersgd"] + ["adamw:lgc"]
-    results = _lightning(runs, timeout=600)
-    out = {f"zeroed:{name}": results[len(results) - len(zeroed_names) + i] for i, name in enumerate(zeroed_names)}
-    results = results[: len(results) - len(zeroed_names)]
+        path = zeroed_dir / f"{name.replace(':', '-')}.ckpt"
+        torch.save(ckpt, path)
+        zeroed_runs.append({**run, "ckpt_path": str(path)})
+    results = _lightning(runs + zeroed_runs, timeout=600)
+    out = {f"zeroed:{name}": result for name, result in zip(resumes, results[len(runs) :])}
+    results = results[: len(runs)]
     out.update({c: (results[2 * i], results[2 * i + 1], dirs[c]) for i, c in enumerate(present)})
-    first = 2 * len(present)
     out.update({f"previous:{c}": results[first + i] for i, c in enumerate(previous)})
     out.update({f"plain:{c}": results[first + len(previous) + i] for i, c in enumerate(controlled)})
     out["adamw:lgc"] = (results[-5], results[-4], adamw)
@@ -358,8 +356,10 @@ def resume_results(tmp_path_factory) -> dict[str, list[list[dict]]]:
     return out
 
 
-def _assert_continues_exactly(full: list[dict], resumed: list[dict], codec: str) -> None:
-    """The resumed run's steps after the cut are the uninterrupted run's, on both ranks."""
+def _rows_by_step(full: list[dict], resumed: list[dict]) -> list[tuple[dict, dict]]:
+    """Per rank, the uninterrupted run's rows and the resumed run's, by global step; the resumed
+    run ran without error, every step after the cut."""
+    pairs = []
     for r in range(2):
         assert full[r]["error"] is None and resumed[r]["error"] is None, (
             full[r].get("message"),
@@ -368,6 +368,13 @@ def _assert_continues_exactly(full: list[dict], resumed: list[dict], codec: str)
         before = {row["global_step"]: row for row in full[r]["rows"]}
         after = {row["global_step"]: row for row in resumed[r]["rows"]}
         assert sorted(after) == list(range(CUT + 1, STEPS + 1))
+        pairs.append((before, after))
+    return pairs
+
+
+def _assert_continues_exactly(full: list[dict], resumed: list[dict], codec: str) -> None:
+    """The resumed run's steps after the cut are the uninterrupted run's, on both ranks."""
+    for r, (before, after) in enumerate(_rows_by_step(full, resumed)):
         for s in after:
             if codec == "powersgd":
                 # torch's PowerSGD state is keyed by bucket index and a new DDP wrapper hands over
@@ -390,12 +397,10 @@ def _checkpoint_weights(path: Path) -> torch.Tensor:
 
 def _drift(full: list[dict], resumed: list[dict]) -> float:
     """Largest parameter difference, over both ranks and the steps after the cut."""
-    out = 0.0
-    for r in range(2):
-        before = {row["global_step"]: row for row in full[r]["rows"]}
-        for row in resumed[r]["rows"]:
-            out = max(out, float((row["weights"] - before[row["global_step"]]["weights"]).abs().max()))
-    return out
+    pairs = _rows_by_step(full, resumed)
+    return max(
+        float((after[s]["weights"] - before[s]["weights"]).abs().max()) for before, after in pairs for s in after
+    )
 
 
 def _assert_continues_as_it_ran(
@@ -416,11 +421,7 @@ def _assert_continues_as_it_ran(
     # the same run (Adam turns ulp into lr-sized moves of near-zero gradients, so "near" is relative)
     to_cut, to_previous = (float((saved - steps[s]).abs().max()) for s in (CUT, CUT - 1))
     assert to_cut <= to_previous / 100, f"the checkpoint is not this run's step {CUT}: {to_cut:.3g}"
-    for r in range(2):
-        assert resumed[r]["error"] is None and zeroed[r]["error"] is None, resumed[r].get("message")
-        before = {row["global_step"]: row for row in full[r]["rows"]}
-        after = {row["global_step"]: row for row in resumed[r]["rows"]}
-        assert sorted(after) == list(range(CUT + 1, STEPS + 1))
+    for before, after in _rows_by_step(full, resumed):
         for s in after:
             assert after[s]["residuals"].keys() == before[s]["residuals"].keys()
             assert after[s]["codec_state"].keys() == before[s]["codec_state"].keys()
