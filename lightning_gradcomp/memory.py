@@ -52,30 +52,17 @@ class ResidualMemory:
         with self._lock:
             self._current[key] = residual
 
-    def _held(self, key: str, x: Tensor) -> Tensor | None:
+    def compensate(self, key: str, x: Tensor) -> Tensor:
+        """Return ``x + e`` for the parameter ``key`` (``x`` itself when there is no residual yet)."""
         r = self.get(key)
-        if r is not None and (r.shape != x.shape or r.device != x.device):
+        if r is None:
+            return x
+        if r.shape != x.shape or r.device != x.device:
             raise RuntimeError(
                 f"residual of {key!r} has shape {tuple(r.shape)} on {r.device} but the gradient has "
                 f"{tuple(x.shape)} on {x.device}: the model changed under the codec"
             )
-        return r
-
-    def compensate(self, key: str, x: Tensor) -> Tensor:
-        """Return ``x + e`` for the parameter ``key`` (``x`` itself when there is no residual yet)."""
-        r = self._held(key, x)
-        return x if r is None else x + r
-
-    def compensate_estimate(self, key: str, x: Tensor) -> Tensor:
-        """Return ``x - h`` for the parameter ``key``, where ``h`` is the estimate held in the
-        residual's place (``estimate_feedback``); ``x`` itself when there is none yet."""
-        h = self._held(key, x)
-        return x if h is None else x - h
-
-    def stage_estimate(self, key: str, sent: Tensor) -> None:
-        """Hold ``h + sent`` as the new estimate of ``key`` until the step's collective has finished."""
-        h = self.get(key)
-        self.stage(key, sent.clone() if h is None else h + sent)
+        return x + r
 
     def stage(self, key: str, residual: Tensor) -> None:
         """Hold the new residual of ``key`` until the step's collective has finished."""

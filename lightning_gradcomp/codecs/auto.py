@@ -365,10 +365,6 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
             )
         if harness.precondition:
             raise ValueError("auto chooses a codec per bucket and cannot precondition (precondition must be False)")
-        if harness.estimate_feedback:
-            raise ValueError(
-                "auto chooses a codec per bucket and keeps residuals, not estimates (estimate_feedback must be False)"
-            )
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -239,8 +239,6 @@ class Codec:
         merged = {**self.harness_defaults, **given}
         if "lr_scaled_feedback" not in given and not merged.get("error_feedback", False):
             merged.pop("lr_scaled_feedback", None)  # a codec's default applies with error feedback only
-        if "lr_scaled_feedback" not in given and merged.get("estimate_feedback", False):
-            merged.pop("lr_scaled_feedback", None)  # nor with an estimate in place of the residual
         self.options = self.Options(**{k: v for k, v in options.items() if k in own})
         self.harness = HarnessOptions(**merged)
         self._check_harness_for_codec()

@@ -331,13 +331,10 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         # start_step always has a value (the harness default); only another one was asked for
         if harness.start_step != HarnessOptions.start_step:
             raise ValueError("lgc schedules its stages with warmup_steps and ae_train_steps, not start_step")
-        if self.options.warmup_codec == "powersgd" and (
-            harness.momentum or harness.precondition or harness.estimate_feedback
-        ):
+        if self.options.warmup_codec == "powersgd" and (harness.momentum or harness.precondition):
             raise ValueError(
                 "warmup_codec='powersgd' sends stage 1 through PowerSGD, which keeps its own error memory and can "
-                "take neither momentum correction, precondition nor estimate_feedback: use "
-                "warmup_codec='allreduce' with them"
+                "take neither momentum correction nor precondition: use warmup_codec='allreduce' with them"
             )
 
     def _make_warmup_codec(self) -> PowerSGDCodec | None:

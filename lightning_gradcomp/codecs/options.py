@@ -116,15 +116,6 @@ class HarnessOptions(CodecOptions):
             ``iwp``, ``fp16``, ``powersgd``, ...) refuse anything but ``"float32"``; ``lgc``'s
             autoencoder with ``variant="rar"`` sums its latents in stage 3, and its dense layers
             travel in fp32 there.
-        estimate_feedback: with ``error_feedback``: keep, in place of a residual, an estimate of the
-            gradient that is updated by what travels (EF21; Richtarik, Sokolov & Fatkhullin 2021).
-            Rank ``i`` holds its estimate ``h_i``, every rank the same mean estimate ``h``; rank
-            ``i`` sends ``C(g_i - h_i)``, keeps ``h_i + C(g_i - h_i)``, and the optimizer receives
-            ``h + mean_i C(g_i - h_i)``, which becomes the new ``h``. Every coordinate reaches the
-            optimizer on every step (the last value that travelled for it), instead of arriving
-            as one accumulated value after a wait. Uncompressed steps set both estimates exactly.
-            Default False. It replaces the residual, so ``lr_scaled_feedback``, ``momentum`` and
-            ``precondition`` are refused with it.
     """
 
     error_feedback: bool = False
@@ -138,7 +129,6 @@ class HarnessOptions(CodecOptions):
     lr_scaled_feedback: bool = False
     precondition: bool = False
     dense_dtype: str = "float32"
-    estimate_feedback: bool = False
 
     def check(self) -> None:
         self._set("error_feedback", bool(self.error_feedback))
@@ -156,14 +146,6 @@ class HarnessOptions(CodecOptions):
         self._set("lr_scaled_feedback", bool(self.lr_scaled_feedback))
         self._set("precondition", bool(self.precondition))
         check_choice("dense_dtype", self.dense_dtype, DENSE_DTYPES)
-        self._set("estimate_feedback", bool(self.estimate_feedback))
-        if self.estimate_feedback:
-            clash = [n for n in ("lr_scaled_feedback", "momentum", "precondition") if getattr(self, n)]
-            if not self.error_feedback or clash:
-                raise ValueError(
-                    "estimate_feedback replaces the error-feedback residual: it needs error_feedback=True and "
-                    f"none of lr_scaled_feedback, momentum, precondition (set: {clash})"
-                )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -36,8 +36,7 @@ def send(state, buf: Tensor, enc: Encoded, flag: Tensor, step: int) -> torch.fut
             for part in e.payload:
                 summed.append(t[off : off + part.numel()].view(part.shape).to(part.dtype))
                 off += part.numel()
-            mean = enc.unscale(i, codec.decode(summed, e.ctx, x.numel(), world)).div_(world)
-            g.copy_(enc.to_gradient(state, i, mean).view_as(g))
+            g.copy_(enc.unscale(i, codec.decode(summed, e.ctx, x.numel(), world)).div_(world).view_as(g))
         enc.write_dense(t[off : off + enc.dense.numel()].float())
         state.stats.add(decode_s=Span(enc.clock, t2, enc.clock.mark()))
         return enc.settle(state, buf, keep=True)

@@ -24,13 +24,8 @@ def send(state, buf: Tensor, layers: list, flag: Tensor, step: int) -> torch.fut
             g.copy_(velocity(state, k, g.reshape(-1).to(torch.float32), p).view_as(g))
     all_keys = [k for k, _, _ in layers]
     flushed = []
-    estimated = []  # estimate_feedback: both estimates become this step's exact gradients
-    for k, g, p in layers:
-        if codec.harness.estimate_feedback:
-            if codec.should_compress(k, p):
-                memory.stage(k, g.reshape(-1).float().clone())
-                estimated.append((k, g))
-        elif k in memory:  # a residual left from earlier compressed steps travels now
+    for k, g, _ in layers:
+        if k in memory:  # a residual left from earlier compressed steps travels now
             g.copy_(memory.compensate(k, g.reshape(-1).float()).view_as(g))
             flushed.append(k)
     n = buf.numel()
@@ -46,16 +41,10 @@ def send(state, buf: Tensor, layers: list, flag: Tensor, step: int) -> torch.fut
         t = state.received(fut, step)
         state.stats.add(comm_s=Span(clock, launched, clock.mark()))
         # the one host sync of the bucket: whether to keep it is decided on the host
-        staged = flushed + [k for k, _ in estimated]
         if float(t[n]) > 0:
-            return state.settle(buf, False, staged, all_keys)
+            return state.settle(buf, False, flushed, all_keys)
         buf.copy_(t[:n].view_as(buf))
-        for k, g in estimated:
-            state.estimates.stage(k, g.reshape(-1).float().clone())
-        if estimated:
-            state.settle(buf, True, staged, all_keys)
-        else:
-            state.settle(buf, True, flushed, all_keys, flushed=True)
+        state.settle(buf, True, flushed, all_keys, flushed=True)
         for k, g in observe:
             codec.observe_dense(k, g.reshape(-1), step)
         return buf

@@ -58,17 +58,6 @@ class Encoded:
         d = self.scales[i]
         return total if d is None else total.mul_(d)
 
-    def to_gradient(self, state, i: int, mean: Tensor) -> Tensor:
-        """Input ``i``'s decoded mean as the gradient the optimizer receives: itself, or with
-        ``estimate_feedback`` the mean estimate moved by it (staged as the new estimate)."""
-        if not state.codec.harness.estimate_feedback:
-            return mean
-        key = self.inputs[i][0]
-        previous = state.estimates.get(key)
-        total = mean if previous is None else mean.add_(previous)
-        state.estimates.stage(key, total.clone())
-        return total
-
     def write_dense(self, total: Tensor) -> None:
         off = 0
         for g in self.dense_grads:
@@ -125,9 +114,7 @@ def encode_layers(state, buf: Tensor, layers: list, step: int) -> Encoded:
         if h.momentum:
             x = velocity(state, k, x, p)
         if codec.should_compress(k, p):
-            if h.estimate_feedback:  # what travels is the change from this rank's estimate
-                x = memory.compensate_estimate(k, x)
-            elif h.error_feedback:
+            if h.error_feedback:
                 x = memory.compensate(k, x)
             d = state.preconditioner(k) if h.precondition else None
             if d is not None:  # the codec works in the optimizer's coordinates
@@ -160,9 +147,7 @@ def encode_layers(state, buf: Tensor, layers: list, step: int) -> Encoded:
             diff = x - local
             if d is not None:  # the residual and the statistics in units of the gradient
                 diff = diff * d
-            if h.estimate_feedback:
-                memory.stage_estimate(k, local)
-            elif h.error_feedback:
+            if h.error_feedback:
                 memory.stage(k, diff)
             if sample:
                 sent_diff = diff if enc.sent is None else (x - enc.sent) * (1 if d is None else d)

@@ -50,7 +50,6 @@ class CodecHookState:
         "step",
         "memory",
         "momentum_buffers",
-        "estimates",
         "residual_lr",
         "second_moments",
         "stats",
@@ -87,7 +86,6 @@ class CodecHookState:
         self.step = 0
         self.memory = ResidualMemory()
         self.momentum_buffers = ResidualMemory()  # per-rank momentum of momentum correction
-        self.estimates = ResidualMemory()  # estimate_feedback: the mean estimate h, the same on every rank
         self.residual_lr: dict[str, float] = {}  # lr_scaled_feedback: the rate each residual is scaled to
         self.second_moments: dict[str, Tensor] = {}  # precondition: the optimizer's exp_avg_sq by key
         self.stats = StatsAccumulator()
@@ -136,7 +134,6 @@ class CodecHookState:
         self.step = previous.step
         self.memory = previous.memory
         self.momentum_buffers = previous.momentum_buffers
-        self.estimates = previous.estimates
         self.residual_lr = previous.residual_lr
         self.nonfinite_steps = previous.nonfinite_steps
         self.stats.totals = previous.stats.totals
@@ -250,7 +247,6 @@ class CodecHookState:
         codec = self.codec
         local = {f"residual.{k}": v for k, v in self.memory.state_dict().items()}
         local.update({f"momentum.{k}": v for k, v in self.momentum_buffers.state_dict().items()})
-        local.update({f"estimate.{k}": v for k, v in self.estimates.state_dict().items()})
         if isinstance(codec, LearnedState):
             local.update({f"codec.{k}": v for k, v in codec.rank_state_dict().items()})
         if stats:
@@ -263,7 +259,6 @@ class CodecHookState:
 
         self.memory.load_state_dict(part("residual."), device=device)
         self.momentum_buffers.load_state_dict(part("momentum."), device=device)
-        self.estimates.load_state_dict(part("estimate."), device=device)
         _load_codec_state(self.codec, part("codec."), rank=True)
         if "stats.totals" in state:  # absent from checkpoints written before the totals were kept
             self.stats.load_totals_tensor(state["stats.totals"])
@@ -311,7 +306,6 @@ class CodecHookState:
         if not keep:
             buf.zero_()
             self.memory.discard(list(keys))
-            self.estimates.discard(list(keys))
             self.momentum_buffers.discard(list(momentum_keys))
             self.note_nonfinite()
             return buf
@@ -319,7 +313,6 @@ class CodecHookState:
             self.memory.drop(list(keys))
         else:
             self.memory.commit(list(keys))
-            self.estimates.commit(list(keys))
         self.momentum_buffers.commit(list(momentum_keys))
         return buf
 
