@@ -23,7 +23,7 @@ import torch
 from lightning_gradcomp import available_codecs
 from lightning_gradcomp.bench import accuracy, link, netns, paths, plot, tta
 from lightning_gradcomp.bench.__main__ import main as bench_main
-from lightning_gradcomp.bench.results import Column, format_table, markdown_table, write_csv
+from lightning_gradcomp.bench.results import Column, format_table, machine_key, markdown_table, write_csv
 from lightning_gradcomp.bench.worker import NoCommCodec, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -574,6 +574,7 @@ def _fake_runner(calls: list, fail: set):
             "recipe_args": args.recipe_args,
             "codec_options": {},
             "devices": args.devices,
+            "machine": accuracy.machine_key(args.accelerator),  # as run_recipe records it
         }
         if (codec, seed) in fail:
             return {**row, "status": "failed (exit 1)"}
@@ -748,6 +749,37 @@ def test_a_run_under_the_level_controller_pairs_with_none_of_the_same_configurat
     got = {s["codec"]: s["vs_none_mean"] for s in accuracy.summarize(rows)}
     assert got["fft@adaptive"] == pytest.approx(-0.01) and got["topk@adaptive"] == pytest.approx(-0.03)
     assert got["fft@lr"] == pytest.approx(-0.01)  # its own none: the one at lr 0.1
+
+
+def test_a_run_pairs_with_none_of_its_own_machine_only():
+    """The same seed rounds differently on another CPU and the run parts from it, so a run pairs
+    with the none run of its machine; rows that recorded no machine pair only with each other.
+    Both machines' none rows of one seed are kept side by side."""
+    base = {"task": "camvid", "seed": 0, "max_steps": None, "max_epochs": 10, "codec_options": {}, "devices": 2}
+    base["recipe_args"] = "--trainer.check_val_every_n_epoch 2"
+    a, b = "CPU A, AVX2, torch 2.14.1", "CPU B, AVX512, torch 2.14.1"
+    rows = [
+        {**base, "codec": "none", "metric": 0.408, "status": "ok"},  # machine not recorded
+        {**base, "codec": "none", "machine": a, "metric": 0.400, "status": "ok"},
+        {**base, "codec": "none", "machine": b, "metric": 0.390, "status": "ok"},
+        {**base, "codec": "fp16", "metric": 0.404, "status": "ok"},
+        {**base, "codec": "topk", "machine": a, "metric": 0.380, "status": "ok"},
+        {**base, "codec": "topk", "machine": b, "metric": 0.385, "status": "ok"},
+        {**base, "codec": "fft", "machine": "CPU C, AVX2, torch 2.14.1", "metric": 0.380, "status": "ok"},
+    ]
+    assert len({accuracy.config_key(r) for r in rows}) == len(rows)  # every machine's none row is kept
+    got = {(s["codec"], s["seeds"], round(s["metric_mean"], 3)): s for s in accuracy.summarize(rows)}
+    assert got["fp16", "0", 0.404]["vs_none_mean"] == pytest.approx(-0.004)
+    assert got["topk", "0", 0.380]["vs_none_mean"] == pytest.approx(-0.020)  # machine A's none
+    assert got["topk", "0", 0.385]["vs_none_mean"] == pytest.approx(-0.005)  # machine B's none
+    fft = got["fft", "0", 0.380]
+    assert fft["vs_none_mean"] is None and fft["vs_none_seeds"] == 0  # no none on its machine: unpaired
+    assert accuracy.config_key({**base, "codec": "none"})[-1] is None
+
+
+def test_a_run_records_the_machine_it_ran_on():
+    key = machine_key("cpu")
+    assert torch.backends.cpu.get_cpu_capability() in key and torch.__version__ in key
 
 
 def test_extract_history_orders_steps_and_keeps_the_last_point_of_a_step():

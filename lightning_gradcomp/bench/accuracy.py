@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_gradcomp.bench import paths
-from lightning_gradcomp.bench.results import Column, format_table, machine_info, write_csv, write_json
+from lightning_gradcomp.bench.results import Column, format_table, machine_info, machine_key, write_csv, write_json
 
 __all__ = [
     "COLUMNS",
@@ -248,8 +248,10 @@ def normalize_recipe_args(recipe_args: str | None) -> str | None:
 
 def config_key(row: dict[str, Any]) -> tuple:
     """What makes two runs the same configuration: task, codec label, seed, budget, recipe
-    arguments (legacy flags read as today's), codec options and devices. A row made by an older
-    version without these fields matches none of today's runs."""
+    arguments (legacy flags read as today's), codec options, devices and the machine
+    (:func:`~lightning_gradcomp.bench.results.machine_key`). A row made by an older version
+    without these fields matches none of today's runs: rows written before the machine was
+    recorded pair only with each other, since which machine ran them is not known."""
     return (
         row.get("task"),
         row.get("codec"),
@@ -259,6 +261,7 @@ def config_key(row: dict[str, Any]) -> tuple:
         normalize_recipe_args(row.get("recipe_args")),
         json.dumps(row.get("codec_options"), sort_keys=True),
         row.get("devices"),
+        row.get("machine"),
     )
 
 
@@ -317,6 +320,7 @@ def run_recipe(task: str, codec: str, seed: int, args: argparse.Namespace, out: 
         "recipe_args": shlex.join(recipe_args),
         "codec_options": options,
         "devices": args.devices,
+        "machine": machine_key(args.accelerator),
         "accelerator": args.accelerator,
         "model": recipe_option(recipe_args, "--model.model"),
         "batch_size": _int_or_text(recipe_option(recipe_args, "--data.batch_size")),
@@ -397,7 +401,8 @@ def _without_controller_flag(recipe_args: str | None) -> str | None:
 def _pairing_key(row: dict[str, Any]) -> tuple:
     """What a run shares with the ``none`` run it is compared with: all of :func:`config_key` but
     the codec label, its options and the level controller's flag (``none`` has no level to set,
-    and the strategy refuses the controller for it, so its run goes without the flag)."""
+    and the strategy refuses the controller for it, so its run goes without the flag); the
+    machine included."""
     key = config_key(row)
     return key[:1] + key[2:5] + (_without_controller_flag(key[5]),) + key[7:]
 
@@ -412,7 +417,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         key = config_key(r)
         groups.setdefault(key[:2] + key[3:], []).append(r)
-    # plain all-reduce on the same task, seed, budget and recipe arguments: the paired reference
+    # plain all-reduce on the same task, seed, budget, recipe arguments and machine: the paired
+    # reference (on another machine the same seed rounds differently, and the run parts from it)
     # (seeds differ in initialisation, data order and, where a subset is drawn, the test images,
     # which moves every codec together; the difference per seed is what the codec did)
     none_metric = {
@@ -497,6 +503,7 @@ def main(args: argparse.Namespace) -> int:
         "machine": machine_info(),
         "argv": argv,
     }
+    machine = machine_key(args.accelerator)
     this_run: list[tuple] = []
     todo: list[tuple[tuple, str, str, int]] = []
     for task in tasks:
@@ -512,6 +519,7 @@ def main(args: argparse.Namespace) -> int:
                         "recipe_args": shlex.join(shlex.split(args.recipe_args)),
                         "codec_options": _codec_options(args, codec),
                         "devices": args.devices,
+                        "machine": machine,
                     }
                 )
                 this_run.append(key)
