@@ -92,21 +92,24 @@ def machine_key(accelerator: str = "cpu") -> str:
     if accelerator in ("gpu", "cuda") and torch.cuda.is_available():
         where = torch.cuda.get_device_name(0)
     else:
-        cpu = machine_info().get("cpu_model", platform.processor() or "cpu")
-        where = f"{cpu}, {torch.backends.cpu.get_cpu_capability()}"
+        where = f"{_cpu_model() or platform.processor() or 'cpu'}, {torch.backends.cpu.get_cpu_capability()}"
     return f"{where}, torch {torch.__version__}"
+
+
+def _cpu_model() -> str | None:
+    """The first ``model name`` of ``/proc/cpuinfo`` (``None`` where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), None)
 
 
 def machine_info() -> dict[str, Any]:
     """CPU model and cores, memory, the GPU if any, Python, torch and Lightning versions."""
     info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version()}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        models = [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")]
-        if models:
-            info["cpu_model"] = models[0]
-    except OSError:
-        pass
+    if (cpu := _cpu_model()) is not None:
+        info["cpu_model"] = cpu
     info["cpu_count"] = os.cpu_count()
     if hasattr(os, "sched_getaffinity"):
         info["cpus_usable"] = len(os.sched_getaffinity(0))
