@@ -343,8 +343,16 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         return PowerSGDCodec(rank=o.warmup_rank) if o.warmup_codec == "powersgd" else None
 
     def replace_options(self, **changes: Any) -> None:
+        warmup = (self.options.warmup_codec, self.options.warmup_rank)
         super().replace_options(**changes)
-        self._warmup_codec = self._make_warmup_codec()  # it follows the options, as they are before setup
+        if (self.options.warmup_codec, self.options.warmup_rank) == warmup:
+            return  # a warm-up codec already set up keeps its state
+        self._warmup_codec = self._make_warmup_codec()
+        if self._warmup_codec is not None and self.context is not None:
+            # options replaced after setup (the defaults beside Adam are adopted once the
+            # optimizers exist): the new warm-up codec is set up as this one was, at its level
+            self._warmup_codec.setup(self.context)
+            self._warmup_codec.set_level(self.compression_level)
 
     @property
     def bucket_keyed_state(self) -> bool:  # type: ignore[override]
