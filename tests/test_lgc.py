@@ -533,7 +533,9 @@ def test_run_time_guard_sends_exact_values_when_the_code_fails(guarded_runs, bre
 DW_STEPS, DW_TRAIN, DW_STAGE3 = 4, 3, 2
 
 
-def _density_warmup_run(rank: int, world: int) -> dict:
+def _hooked_mlp(**options) -> tuple[nn.Module, nn.Module, object]:
+    """``_mlp()`` (seeded alike on every rank) in DDP with ``lgc``'s levels hook: ``OPTS`` updated
+    by ``options``. Returns the model, its DDP wrapper and the hook's state."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lightning_gradcomp.api import make_comm_hook
@@ -541,9 +543,13 @@ def _density_warmup_run(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = _mlp()
     ddp = DDP(model)
-    opts = dict(OPTS, code="levels", warmup_steps=0, density_warmup=DW_STEPS, ae_train_steps=DW_TRAIN)
-    state, hook = make_comm_hook("lgc", ddp, **opts)
+    state, hook = make_comm_hook("lgc", ddp, **dict(OPTS, code="levels", **options))
     ddp.register_comm_hook(state, hook)
+    return model, ddp, state
+
+
+def _density_warmup_run(rank: int, world: int) -> dict:
+    model, ddp, state = _hooked_mlp(warmup_steps=0, density_warmup=DW_STEPS, ae_train_steps=DW_TRAIN)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(100 + rank)
     steps, sample_steps = [], []
@@ -695,17 +701,8 @@ CH_TRAIN, CH_STAGE3 = 3, 3
 
 
 def _channel_support_run(rank: int, world: int, support: str) -> dict:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from lightning_gradcomp.api import make_comm_hook
-
-    torch.manual_seed(0)
-    model = _mlp()
-    ddp = DDP(model)
-    opts = dict(OPTS, code="levels", warmup_steps=0, ae_train_steps=CH_TRAIN, support=support)
-    state, hook = make_comm_hook("lgc", ddp, **opts)
-    ddp.register_comm_hook(state, hook)
-    chosen = []  # (rows, per-row counts) of every support this rank chose as the leader
+    model, ddp, state = _hooked_mlp(warmup_steps=0, ae_train_steps=CH_TRAIN, support=support)
+    chosen = []  # (step, rows, k, per-row counts) of every support this rank chose as the leader
     select = state.codec._select
 
     def recording_select(x, k, step, channels=1):
