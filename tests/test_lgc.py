@@ -51,7 +51,6 @@ def _mlp() -> nn.Module:
         (dict(ae_lr=0.0), "ae_lr must be a positive number"),
         (dict(ae_time_budget_s=-1), "ae_time_budget_s"),
         (dict(selection="random"), "selection must be one of"),
-        (dict(support="row"), "support must be one of"),
         (dict(start_step=5), "warmup_steps and ae_train_steps"),
         (dict(max_recon_error=0), "max_recon_error must be a positive number"),
         (dict(density_warmup=-3), "density_warmup must be an integer >= 0"),
@@ -693,78 +692,3 @@ def test_powersgd_warmup_compresses_stage_1_and_hands_its_error_to_stage_2():
             kept = residual != 0
             assert 0 < int((~kept).sum()) <= math.ceil(RATIO * g.numel())  # the support was sent
             torch.testing.assert_close(residual[kept], x[kept], rtol=0, atol=1e-6)
-
-
-# --------------------------------------------------------------------------------------------------
-# the support spread over output channels
-CH_TRAIN, CH_STAGE3 = 3, 3
-
-
-def _channel_support_run(rank: int, world: int, support: str) -> dict:
-    model, ddp, state = _hooked_mlp(warmup_steps=0, ae_train_steps=CH_TRAIN, support=support)
-    chosen = []  # (step, rows, k, per-row counts) of every support this rank chose as the leader
-    select = state.codec._select
-
-    def recording_select(x, k, step, channels=1):
-        idx = select(x, k, step, channels)
-        rows = channels if channels > 1 else 1
-        chosen.append((step, rows, k, (idx // (x.numel() // rows)).bincount(minlength=rows).tolist()))
-        return idx
-
-    state.codec._select = recording_select
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(100 + rank)
-    stages, wires = [], []
-    for step in range(2 + CH_TRAIN + CH_STAGE3):
-        x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
-        opt.zero_grad()
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        stages.append(state.codec.stage(step))
-        wires.append(state.stats.pop().wire_bytes)
-        opt.step()
-    return {
-        "stages": stages,
-        "wires": wires,
-        "chosen": chosen,
-        "params": [p.detach().clone() for p in model.parameters()],
-    }
-
-
-def _channel_and_layer_support(rank: int, world: int) -> dict:
-    return {s: _channel_support_run(rank, world, s) for s in ("channel", "layer")}
-
-
-def test_channel_support_gives_every_output_channel_its_share_at_the_same_bytes():
-    """With ``support="channel"`` the leader's support holds ``k // C`` positions of every output
-    channel (one more in the first ``k mod C``), in stage 2 and in stage 3, the ranks stay
-    identical, and the messages are as large as with the whole layer's top-k, whose support
-    leaves channels out."""
-    res = run_gloo(_channel_and_layer_support, world_size=2, timeout=300)
-    channel = [r["channel"] for r in res]
-    layer = [r["layer"] for r in res]
-    assert all((a == b).all() for a, b in zip(channel[0]["params"], channel[1]["params"])), "ranks diverged"
-    assert set(channel[0]["stages"]) == {1, 2, 3}
-    assert channel[0]["wires"] == layer[0]["wires"]  # the same k per layer: the same bytes
-    chosen = channel[0]["chosen"] + channel[1]["chosen"]
-    assert {step for step, *_ in chosen} == set(range(2, 2 + CH_TRAIN + CH_STAGE3))  # both ranks lead
-    assert len(chosen) == 3 * (CH_TRAIN + CH_STAGE3)  # the three weights each step; the biases travel dense
-    for _, rows, k, counts in chosen:  # every weight has more positions than output channels
-        base, extra = divmod(k, rows)
-        assert counts == [base + 1] * extra + [base] * (rows - extra)
-    crowded = [min(counts) for _, rows, k, counts in layer[0]["chosen"] + layer[1]["chosen"] if rows > 1]
-    assert crowded and min(crowded) == 0  # the layer's own top-k leaves channels out
-
-
-def test_select_top_per_row_takes_each_rows_largest():
-    from lightning_gradcomp.codecs.sampling import select_top_per_row
-
-    s = torch.rand(6, 50, generator=torch.Generator().manual_seed(0))
-    idx = select_top_per_row(s, 20)  # 3 per row, 4 in the first two rows
-    assert (idx.diff() > 0).all()
-    rows, cols = idx // 50, idx % 50
-    assert rows.bincount(minlength=6).tolist() == [4, 4, 3, 3, 3, 3]
-    for r in range(6):
-        want = s[r].topk(4 if r < 2 else 3).indices.sort().values
-        assert cols[rows == r].tolist() == want.tolist()
-    with pytest.raises(ValueError, match="k must be in"):
-        select_top_per_row(s, 301)

@@ -91,13 +91,7 @@ from lightning_gradcomp.codecs.lgc_autoencoder import GradientAutoencoder
 from lightning_gradcomp.codecs.lgc_learning import LearnedCode
 from lightning_gradcomp.codecs.positions import choose_encoding, decode_positions, encode_positions, encoded_nbytes
 from lightning_gradcomp.codecs.powersgd import PowerSGDCodec
-from lightning_gradcomp.codecs.sampling import (
-    DensityWarmup,
-    check_density_warmup,
-    keep_count,
-    select_top,
-    select_top_per_row,
-)
+from lightning_gradcomp.codecs.sampling import DensityWarmup, check_density_warmup, keep_count, select_top
 from lightning_gradcomp.registry import register_codec
 
 __all__ = ["LGCCodec", "LGCOptions", "GradientAutoencoder", "MIN_AE_LEN"]
@@ -107,7 +101,6 @@ MIN_AE_LEN = 64
 CODES = ("levels", "autoencoder")
 VARIANTS = ("rar", "ps")
 SELECTIONS = ("sampled", "exact")
-SUPPORTS = ("layer", "channel")
 WARMUP_CODECS = ("allreduce", "powersgd")
 #: the paper's stage lengths (SOFF: 200 dense rounds, 300 collecting), the caps of fractions
 WARMUP_CAP, AE_TRAIN_CAP = 200, 300
@@ -157,7 +150,6 @@ class LGCOptions(CodecOptions):
     refit_every: int = 100
     code_denser: bool = True
     selection: str = "sampled"
-    support: str = "layer"
     max_recon_error: float = 0.3
     ae_error_feedback: bool = True
     warmup_codec: str = "allreduce"
@@ -204,7 +196,6 @@ class LGCOptions(CodecOptions):
         if not isinstance(self.code_denser, bool):
             raise ValueError(f"code_denser must be True or False, got {self.code_denser!r}")
         check_choice("selection", self.selection, SELECTIONS)
-        check_choice("support", self.support, SUPPORTS)
         max_recon_error = self.max_recon_error
         if not (isinstance(max_recon_error, (int, float)) and max_recon_error > 0):
             raise ValueError(f"max_recon_error must be a positive number, got {max_recon_error!r}")
@@ -281,13 +272,6 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             those steps' values exactly, so that the code compresses only at the configured level.
         selection: how the leader finds the top-k: ``"sampled"`` (threshold from a random sample,
             then exact top-k among the candidates, as DGC; ~3x cheaper) or ``"exact"``.
-        support: where the leader's ``k`` positions may fall: ``"layer"`` (default, the top ``k``
-            of the whole layer) or ``"channel"`` (the top ``k / C`` of each of the weight's ``C``
-            output channels, the first ``k mod C`` channels one more; exact top-k per channel,
-            ``selection`` unused; a 1-D tensor is one channel). A layer's top-k crowds into the
-            channels whose gradient is large: on PSPNet/CamVid beside AdamW a sixth of a layer's
-            output channels get no position at a 7 % support, and wait until their residual
-            grows, while Adam would move every channel about as far.
         max_recon_error: a layer uses the AE in stage 3 only if the held-out relative error of its
             decoded aggregate is at most this (default 0.3: at 0.7 layers whose code lost half their
             energy passed and then drifted, docs/codecs/lgc.md); other layers keep sending their values on the shared
@@ -479,11 +463,9 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
 
     # ----------------------------------------------------------------------------------------------
     # the shared support: chosen by the leader, broadcast in the hook body
-    def _select(self, x: Tensor, k: int, step: int, channels: int = 1) -> Tensor:
+    def _select(self, x: Tensor, k: int, step: int) -> Tensor:
         # exact top-k; "sampled" finds it through a threshold estimated from a 1% sample (DGC-style).
         # On CUDA select_top runs torch.topk and draws nothing, so no generator is made there.
-        if self.options.support == "channel" and 1 < channels < k < x.numel():
-            return select_top_per_row(x.abs().view(channels, -1), k)
         if x.is_cuda:
             return select_top(x.abs(), k, 0.0)
         g = torch.Generator(device="cpu").manual_seed(self.options.seed * 1_000_003 + step)
@@ -532,8 +514,8 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         own_codes: list[tuple[Any, Tensor] | None] = [None] * len(layers)  # the leader's codes, reused by encode
         if is_leader:
             parts, scales, flags, zs = [], [], [], []
-            for i, ((key, x, param), k, a, e, n) in enumerate(zip(layers, sizes, use_ae, encodings, numels)):
-                idx = self._select(x, k, step, param.shape[0] if param.dim() > 1 else 1)
+            for i, ((key, x, _), k, a, e, n) in enumerate(zip(layers, sizes, use_ae, encodings, numels)):
+                idx = self._select(x, k, step)
                 supports[i] = idx
                 parts.append(encode_positions(idx, n, e))
                 if a and not ae:

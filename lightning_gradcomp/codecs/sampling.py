@@ -69,24 +69,6 @@ def select_top(s: Tensor, k: int, sample_fraction: float = 0.01, generator: torc
     return torch.topk(s, k, sorted=False).indices.sort().values
 
 
-def select_top_per_row(s: Tensor, k: int) -> Tensor:
-    """Sorted flat positions of ``k`` entries of the 2-D ``s``, spread over its rows: the largest
-    ``k // R`` of each of its ``R`` rows, and one more in each of the first ``k mod R`` rows (the
-    count depends on the shape alone, so every rank knows it). Exact ``torch.topk`` per row."""
-    rows, cols = s.shape
-    if not 0 < k <= rows * cols:
-        raise ValueError(f"k must be in [1, {rows * cols}], got {k}")
-    per_row, extra = divmod(k, rows)
-    width = per_row + (extra > 0)
-    top = torch.topk(s, width, dim=1, sorted=True).indices  # (rows, width), largest first
-    flat = top + torch.arange(rows, device=s.device).unsqueeze(1) * cols
-    if extra:  # the rows from `extra` on keep one fewer: drop their smallest
-        keep = torch.ones_like(flat, dtype=torch.bool)
-        keep[extra:, -1] = False
-        flat = flat[keep]
-    return flat.reshape(-1).sort().values
-
-
 class DensityWarmup:
     """DGC's warm-up of sparsity for codecs that keep a fraction of the entries (``topk``, ``iwp``).
 
