@@ -532,9 +532,7 @@ def test_run_time_guard_sends_exact_values_when_the_code_fails(guarded_runs, bre
 DW_STEPS, DW_TRAIN, DW_STAGE3 = 4, 3, 2
 
 
-def _hooked_mlp(**options) -> tuple[nn.Module, nn.Module, object]:
-    """``_mlp()`` (seeded alike on every rank) in DDP with ``lgc``'s levels hook: ``OPTS`` updated
-    by ``options``. Returns the model, its DDP wrapper and the hook's state."""
+def _density_warmup_run(rank: int, world: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lightning_gradcomp.api import make_comm_hook
@@ -542,13 +540,9 @@ def _hooked_mlp(**options) -> tuple[nn.Module, nn.Module, object]:
     torch.manual_seed(0)
     model = _mlp()
     ddp = DDP(model)
-    state, hook = make_comm_hook("lgc", ddp, **dict(OPTS, code="levels", **options))
+    opts = dict(OPTS, code="levels", warmup_steps=0, density_warmup=DW_STEPS, ae_train_steps=DW_TRAIN)
+    state, hook = make_comm_hook("lgc", ddp, **opts)
     ddp.register_comm_hook(state, hook)
-    return model, ddp, state
-
-
-def _density_warmup_run(rank: int, world: int) -> dict:
-    model, ddp, state = _hooked_mlp(warmup_steps=0, density_warmup=DW_STEPS, ae_train_steps=DW_TRAIN)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(100 + rank)
     steps, sample_steps = [], []
