@@ -205,6 +205,19 @@ def test_lgc_beside_adam_keeps_a_denser_support_unless_told_otherwise():
     assert codec.config() == make_codec("iwp").config()
 
 
+def test_gradiveq_beside_adam_quantizes_its_coefficients_finer_unless_told_otherwise():
+    assert _strategy_beside("adamw", codec="gradiveq").options.quant_levels == 31
+    assert _strategy_beside("sgd", codec="gradiveq").options.quant_levels == 7
+    assert _strategy_beside("adamw", codec="gradiveq", codec_options={"quant_levels": 3}).options.quant_levels == 3
+    assert _strategy_beside("adamw", codec=make_codec("gradiveq")).options.quant_levels == 7
+    # a run that started before this default (its checkpoint took nothing beside Adam) goes on at seven levels
+    recorded = {"optimizer_defaults": {"options": {}, "controller": {"lr_reference": "peak"}}}
+    strategy = _set_up_beside("adamw", codec="gradiveq", resumed_from=recorded)
+    assert strategy.codec.options.quant_levels == 7
+    strategy = _set_up_beside("adamw", codec="gradiveq")
+    assert strategy._optimizer_defaults["options"] == {"quant_levels": 31}
+
+
 def _controller_beside(optimizer: str, **kwargs):
     return _set_up_beside(optimizer, **kwargs)._adaptive_callback
 

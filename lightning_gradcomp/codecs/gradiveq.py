@@ -318,6 +318,11 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
     # a drop ("peak") brought it to 0.9 behind (+0.3 and +0.6 more) at 20.7, and on PSPNet/CamVid
     # to 1.0 mIoU behind instead of 1.3 (docs/benchmarks.md, "With the level controller")
     adaptive_by_default = {"lr_reference": "peak"}
+    # beside Adam the coefficients' quantization costs: on PSPNet/CamVid (AdamW, eight seeds)
+    # fp32 coefficients ended 0.89 mIoU above seven levels (standard error 0.25) at 2.7x the
+    # bytes, and 31 levels 0.65 above (0.50) at 1.18x, for two ranks (docs/benchmarks.md, "Eight
+    # seeds of fp32 coefficients")
+    adaptive_optimizer_defaults = {"quant_levels": 31}
 
     def __init__(self, **options: Any) -> None:
         # error_feedback's default depends on an option: on with the "leader" source, off with
