@@ -297,7 +297,8 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
             scales, packed summably into fp32 words (see the module docstring);
             ``2 * world_size * s + 1 <= 2**24``. Default 7 (QSGD's 4-bit setting; the paper
             stacks GradiVeQ with QSGD, the value is ours): with ``d=64, k=4`` about 60x fewer
-            bytes than fp32 for two ranks.
+            bytes than fp32 for two ranks. Beside an Adam-like optimizer ``CompressedDDPStrategy``
+            sets 31 when the user did not set it (:attr:`adaptive_optimizer_defaults`).
         quant_scale: ``"layer"`` (default): one shared scale per layer; ``"component"``: one per
             principal component of a layer (measured, not adopted: see the module docstring).
         quant_rounding: ``"stochastic"`` (default; QSGD's unbiased rounding) or ``"nearest"``
