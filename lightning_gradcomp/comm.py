@@ -174,6 +174,15 @@ def broadcast(t: Tensor, src: int, group: dist.ProcessGroup | None, world_size: 
     return t
 
 
+def all_gather(t: Tensor, group: dist.ProcessGroup | None, world_size: int) -> Tensor:
+    """Every rank's equal-sized 1-D ``t``, as a ``(world_size, n)`` tensor; blocking."""
+    if world_size <= 1:
+        return t.view(1, -1)
+    out = torch.empty(world_size * t.numel(), dtype=t.dtype, device=t.device)
+    all_gather_flat(out, t.contiguous(), group=group)
+    return out.view(world_size, -1)
+
+
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 

@@ -145,13 +145,14 @@ def record_bucket(
     nbytes: int,
     *,
     extra_bytes: int = 0,
+    extra_collective: str = "broadcast",
     compressed: bool = True,
     **more: Any,
 ) -> None:
     """Record one bucket through ``add`` (:meth:`StatsAccumulator.add`, or a
     :class:`~lightning_gradcomp.codecs.base.RoundContext`'s ``record``), on every path: the bucket
     as DDP handed it over (``buf``), the ``nbytes`` this rank handed to ``collective``, the
-    ``extra_bytes`` it broadcast in a codec's own rounds, and what a plain all-reduce of ``buf``
+    ``extra_bytes`` it sent in a codec's own rounds (on ``extra_collective``), and what a plain all-reduce of ``buf``
     would have sent; ``more`` adds timings and error sums (``encode_s``, ``comm_s``, ``err_sq``...)."""
     raw = buf.numel() * buf.element_size()
     add(
@@ -159,7 +160,7 @@ def record_bucket(
         compressed=compressed,
         raw_bytes=raw,
         payload_bytes=nbytes + extra_bytes,
-        wire_bytes=wire_bytes(collective, nbytes, world) + wire_bytes("broadcast", extra_bytes, world),
+        wire_bytes=wire_bytes(collective, nbytes, world) + wire_bytes(extra_collective, extra_bytes, world),
         raw_wire_bytes=wire_bytes("allreduce", raw, world),
         **more,
     )

@@ -152,6 +152,8 @@ def test_checkpoint_whose_autoencoder_carried_layers_names_the_code_to_resume_wi
         (dict(code_bits=0), "code_bits must be an integer"),
         (dict(refit_every=-1), "refit_every"),
         (dict(code_denser="no"), "code_denser must be True or False"),
+        (dict(support="all"), "support must be one of"),
+        (dict(support="union", code="autoencoder"), "support='union' is a support for code='levels'"),
     ],
 )
 def test_invalid_code_options_name_the_option(opts, match):
@@ -466,3 +468,120 @@ def test_the_report_does_not_blame_the_gate_when_the_layers_that_passed_it_fell_
     c._ae_layers = {}
     line = AutoencoderWarmup.summary(c, 40)
     assert "no layer passed the gate (held-out error of the 2-bit levels 0.17 > max_recon_error 0.3)" in line
+
+
+# --------------------------------------------------------------------------------------------------
+# a union support: every rank names its own largest positions
+def _union_round(rank: int, world: int) -> dict:
+    """One stage-2 bucket of a union support, by hand: what ``prepare_bucket`` chose, what the
+    aggregate of every rank's payload gave, and the codec's state after it kept the sample."""
+    from lightning_gradcomp.codecs.base import CodecContext, RoundContext
+
+    codec = LGCCodec(support="union", selection="exact", warmup_steps=2, ae_train_steps=4, ratio=RATIO)
+    ctx = CodecContext(rank, world, torch.device("cpu"))
+    codec.setup(ctx)
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(10 + rank))
+    everyone = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(everyone, x)
+    step = 3
+    assert codec.stage(step) == 2
+    prepared = codec.prepare_bucket([("w", x, torch.zeros(3000))], RoundContext(step=step, comm=ctx))
+    shared = prepared.per_layer["w"]
+    enc = codec.encode(x, "w", torch.zeros(3000), step, prepared=shared)
+    gathered = [torch.empty_like(enc.payload[0]) for _ in range(world)]
+    dist.all_gather(gathered, enc.payload[0])
+    total = codec.aggregate([[p] for p in gathered], enc.ctx, 3000)
+    return {
+        "everyone": torch.stack(everyone),
+        "support": shared.support,
+        "named": shared.named,
+        "nbytes": prepared.nbytes,
+        "collective": prepared.collective,
+        "local": enc.local,
+        "total": total,
+        "state": codec.state_dict(),
+    }
+
+
+def test_a_union_support_is_every_ranks_largest_positions_and_stage_2_sums_them_exactly():
+    res = run_gloo(_union_round, world_size=2, timeout=120)
+    everyone = res[0]["everyone"]
+    k = math.ceil(RATIO * 3000)
+    named = [row.abs().topk(math.ceil(k / 2)).indices.sort().values for row in everyone]
+    union = torch.unique(torch.cat(named))
+    assert math.ceil(k / 2) < union.numel() <= k  # independent gradients: few positions in common
+    for r in res:
+        assert torch.equal(r["support"], union)
+        for rank in range(2):
+            assert torch.equal(union[r["named"][rank]], named[rank])
+        # each rank's names travel in an all-gather, as a position code of ceil(k / 2) entries
+        m = math.ceil(k / 2)
+        assert r["collective"] == "allgather"
+        assert r["nbytes"] == encoded_nbytes(choose_encoding("auto", m, 3000), m, 3000)
+        # stage 2: the exact sum on the union, and this rank's values there in its local account
+        expected = torch.zeros(3000)
+        expected[union] = everyone[:, union].sum(0)
+        torch.testing.assert_close(r["total"], expected)
+    for rank, r in enumerate(res):
+        kept = torch.zeros(3000)
+        kept[union] = everyone[rank, union]
+        assert torch.equal(r["local"], kept)
+    # the stage-2 sample keeps who named what, and a checkpoint round trip keeps it
+    state = res[0]["state"]
+    (sample,) = state["samples"]
+    assert torch.equal(sample["leader"], res[0]["named"]) and sample["values"].shape == (2, union.numel())
+    restored = LGCCodec(support="union", warmup_steps=2, ae_train_steps=4, ratio=RATIO)
+    restored.load_state_dict(state)
+    assert torch.equal(restored._samples[0][2], res[0]["named"])
+
+
+def test_union_samples_fit_each_role_on_the_positions_each_rank_named():
+    """On a union support a rank's values at its own names are large and at the others' small:
+    the leader's row is fitted to the former, the others' row to the latter, and a denser sample is
+    cut to each rank's ``ceil(k / N)`` largest names."""
+    g = torch.Generator().manual_seed(0)
+    c = LGCCodec(ratio=RATIO, support="union")
+    heavy_m = math.ceil(math.ceil(RATIO * 3000) / 2)
+    for step in range(16):
+        u = 2 * heavy_m + 40  # a denser step: 20 more names a rank
+        named = torch.zeros(2, u, dtype=torch.bool)
+        named[0, : u // 2], named[1, u // 2 :] = True, True
+        v = 0.1 * torch.randn(2, u, generator=g)
+        v[named] = (2 + torch.rand(u, generator=g)) * torch.sign(torch.randn(u, generator=g))
+        small = torch.cat([torch.arange(heavy_m, u // 2), torch.arange(u // 2 + heavy_m, u)])
+        v[:, small] *= 0.5  # the 20 extra names of each rank are its smallest
+        c._samples.append(("w", step, named, 3000, v))
+    configured, denser = c._samples_by_support()
+    assert len(denser) == 16
+    for _, _, named, _, v in configured:
+        assert v.shape == (2, 2 * heavy_m) and named.sum(1).tolist() == [heavy_m, heavy_m]
+    c.train_autoencoder()
+    assert list(c.ae_layers) == ["w"]
+    # in units of each message's RMS: the named values sit in [2, 3] (two close levels), the
+    # others' are Gaussian (two levels far apart); a fit that mixed the roles would spread both
+    rows = c._levels["w"]
+    assert rows[levels.LEADER, -1] < 1.6 * rows[levels.LEADER, 0]
+    assert rows[levels.OTHERS, -1] > 2.5 * rows[levels.OTHERS, 0]
+    assert c.ae_layers["w"] < 0.15
+
+
+def test_a_union_support_carries_every_layer_identically_on_two_ranks_with_exact_error_feedback():
+    """Stage 2 on the light level, stage 3 at the configured one and its last step light again:
+    the code carries every layer on a union support, every rank ends each step with the same
+    gradient, what the code lost stays in the residual exactly, and a step sends fewer bytes
+    than the leader's support of the same ``k`` would."""
+    res = run_gloo(_train_levels, world_size=2, args=(True, 0, STAGE3, True, {"support": "union"}), timeout=300)
+    assert res[0]["digest"] == res[1]["digest"] and res[0]["layers"] == res[1]["layers"]
+    assert len(res[0]["layers"]) == 3 and res[0]["denser"] == sorted(res[0]["layers"])
+    support = sum(math.ceil(RATIO * p.numel()) for p in _mlp().parameters() if p.numel() >= 1000)
+    for r in res:
+        rows = r["rows"]
+        assert [row["stage"] for row in rows] == [1] * WARMUP + [2] * COLLECT + [3] * STAGE3
+        for row in rows:
+            assert row["identical"]
+        for row in rows[WARMUP + COLLECT :]:
+            assert row["used"] == (3, 3)
+            assert row["err_sq"] == pytest.approx(row["residual_sq"], rel=1e-6)
+        assert rows[WARMUP + COLLECT]["wire"] < _expected_stage3_wire(2)
+        carried, total = r["values_run"]["configured"]
+        assert carried == total and 2 * (support // 2) <= total <= 2 * support  # two steps, union of halves

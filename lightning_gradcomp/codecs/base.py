@@ -115,6 +115,10 @@ class CodecContext:
         """Broadcast ``t`` in place from group rank ``src``; blocking (hook body or step end only)."""
         return comm.broadcast(t, src, self.group, self.world_size)
 
+    def all_gather(self, t: Tensor) -> Tensor:
+        """Every group rank's equal-sized 1-D ``t`` as a ``(world_size, n)`` tensor; blocking."""
+        return comm.all_gather(t, self.group, self.world_size)
+
     def all_reduce(self, t: Tensor, op: str = "sum") -> Tensor:
         """Reduce ``t`` in place over the group (``op``: "sum" or "max"); blocking."""
         return comm.all_reduce(t, op, self.group, self.world_size)

@@ -93,10 +93,13 @@ class Prepared:
         per_layer: what ``encode`` needs of those rounds, by layer key (a shared support, a shared
             scale); the hook passes ``per_layer.get(key)`` to ``encode`` as ``prepared``. It lives
             for this bucket only: nothing is kept on the codec between the two calls.
+        collective: how those bytes travelled, for the wire count: ``"broadcast"`` (one rank's
+            message, default) or ``"allgather"`` (every rank's ``nbytes``).
     """
 
     nbytes: int = 0
     per_layer: Mapping[str, Any] = field(default_factory=dict)
+    collective: str = "broadcast"
 
 
 class MultiRound:

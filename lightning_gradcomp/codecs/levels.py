@@ -14,7 +14,12 @@ Each layer has two sets of levels, one per *role*: the leader's message holds it
 values (all of them above a threshold), another rank's holds its values at the leader's positions
 (small ones among them), and the two are distributed very differently in units of their RMS.
 Every rank knows its role at every step, so the split costs no byte on the wire; on ResNet-18 it
-cut the error of the decoded mean at 2 bits from 0.275 to 0.172 (docs/codecs/lgc.md).
+cut the error of the decoded mean at 2 bits from 0.275 to 0.172 (docs/codecs/lgc.md). On a *union*
+support (``lgc``'s ``support="union"``: each rank names its own largest positions) every rank plays
+both roles in each step: its values at the positions it named travel as a message on the leader's
+row, its values at the positions the others named as a second message on the others' row. A
+stage-2 sample then holds, instead of the leader's rank, an ``(N, K)`` mask of who named what
+(:func:`role_parts`).
 
 A message is ``[r (fp32), packed codes]``. Each rank's decoded values are known to that rank
 exactly, and the sum of the decoded messages is what the all-gather delivers, so error feedback
@@ -44,6 +49,7 @@ __all__ = [
     "refit_rows",
     "relative_magnitudes",
     "role",
+    "role_parts",
     "split_held_out",
 ]
 
@@ -54,6 +60,30 @@ LEADER, OTHERS = 0, 1
 def role(rank: int, leader: int) -> int:
     """The row of the levels that ``rank``'s message uses when ``leader`` leads."""
     return LEADER if rank == leader else OTHERS
+
+
+def role_parts(values: Tensor, lead: int | Tensor) -> list[tuple[int, int, Tensor | None]]:
+    """The messages of a stage-2 sample ``values`` (``(N, K)``, every rank's values on the support)
+    as ``(rank, role, columns)``: with ``lead`` a rank (the leader's support) each rank's row is
+    one message of its role, ``columns`` None; with ``lead`` a boolean ``(N, K)`` mask (a union
+    support, True where that rank named the position) each rank sends the columns it named on the
+    leader's row and the rest, where there is any, on the others' row."""
+    if not isinstance(lead, Tensor):
+        return [(r, role(r, lead), None) for r in range(values.shape[0])]
+    out: list[tuple[int, int, Tensor | None]] = []
+    for r in range(values.shape[0]):
+        mine = lead[r].to(values.device)
+        out.append((r, LEADER, mine))
+        if not bool(mine.all()):
+            out.append((r, OTHERS, ~mine))
+    return out
+
+
+def lead_scale(values: Tensor, lead: int | Tensor) -> Tensor:
+    """The RMS of the values that the leader's row codes in a sample: the leader's message, or on
+    a union support every rank's values at the positions it named."""
+    picked = values[lead] if not isinstance(lead, Tensor) else values[lead.to(values.device)]
+    return picked.pow(2).mean().sqrt().clamp_min(1e-30)
 
 
 def relative_magnitudes(values: Tensor) -> Tensor:
@@ -153,8 +183,12 @@ def fit_roles(train: list, keys: list[str], fitted: Tensor, seed: int = 0) -> No
         samples = [(smp[2], smp[4].float().cpu()) for smp in train if smp[0] == key]
         if not samples:  # no sample of this layer: its rows keep what they held
             continue
-        lead = torch.cat([relative_magnitudes(v[ld]) for ld, v in samples])
-        others = torch.cat([relative_magnitudes(torch.cat([v[:ld], v[ld + 1 :]])) for ld, v in samples])
+        by_role: tuple[list[Tensor], list[Tensor]] = ([], [])
+        for ld, v in samples:
+            for r, rl, cols in role_parts(v, ld):
+                by_role[rl].append(relative_magnitudes(v[r] if cols is None else v[r][cols]))
+        lead = torch.cat(by_role[LEADER])
+        others = torch.cat(by_role[OTHERS]) if by_role[OTHERS] else torch.empty(0)
         lead_row = fitted[i, LEADER] = fit_levels(lead, count, seed=seed + i).to(fitted.device)
         # on one rank there is no other message, and the leader's levels stand in
         fitted[i, OTHERS] = fit_levels(others, count, seed=seed + i).to(fitted.device) if others.numel() else lead_row
@@ -167,10 +201,14 @@ def aggregate_errors(samples: list, tables: dict[str, Tensor]) -> dict[str, tupl
     out: dict[str, tuple[float, float]] = {}
     for key, _, lead, _, v in samples:
         v = v.float()
-        scale = v[lead].pow(2).mean().sqrt().clamp_min(1e-30)
+        scale = lead_scale(v, lead)
         table = tables[key].to(v.device)
-        rows = [table[role(r, lead)] for r in range(v.shape[0])]
-        decoded = torch.stack([dequantize(*quantize(x, t), t) for x, t in zip(v, rows)])
+        decoded = torch.empty_like(v)
+        for r, rl, cols in role_parts(v, lead):
+            if cols is None:
+                decoded[r] = dequantize(*quantize(v[r], table[rl]), table[rl])
+            else:
+                decoded[r, cols] = dequantize(*quantize(v[r, cols], table[rl]), table[rl])
         e, r = out.get(key, (0.0, 0.0))
         out[key] = (
             e + float((decoded.mean(0) - v.mean(0)).div(scale).pow(2).sum()),

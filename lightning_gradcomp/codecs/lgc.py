@@ -50,6 +50,10 @@ The learned code (``code``):
     SOFF re-implementation): ``0.5 * mean_i MSE(D(z_r, u_i), v_i / s)`` with a random rank ``r``
     whose latent decodes every rank, plus ``0.5 *`` the mean pairwise MSE between latents.
 
+With ``support="union"`` no rank leads: in stages 2 and 3 each rank names the ``ceil(k / N)``
+largest positions of its own gradient, the names are all-gathered, and every rank sends its values
+on their union (:meth:`LGCCodec._prepare_union`).
+
 Layers whose ``k`` is below :data:`MIN_AE_LEN` send their values on the shared support without a
 learned code (all-gathered sums of ``v_i``, exact). Residual (error feedback): everything outside
 ``S``; with ``"ps"`` also ``v_i - s * D(z, u_i)``, which every rank knows exactly; with ``"rar"``
@@ -101,6 +105,7 @@ MIN_AE_LEN = 64
 CODES = ("levels", "autoencoder")
 VARIANTS = ("rar", "ps")
 SELECTIONS = ("sampled", "exact")
+SUPPORTS = ("leader", "union")
 WARMUP_CODECS = ("allreduce", "powersgd")
 #: the paper's stage lengths (SOFF: 200 dense rounds, 300 collecting), the caps of fractions
 WARMUP_CAP, AE_TRAIN_CAP = 200, 300
@@ -109,11 +114,13 @@ WARMUP_CAP, AE_TRAIN_CAP = 200, 300
 class _Shared(NamedTuple):
     """What :meth:`LGCCodec.prepare_bucket` hands to :meth:`LGCCodec.encode` for one layer."""
 
-    support: Tensor  # the leader's positions, sorted
+    support: Tensor  # the leader's positions (a union support: every rank's), sorted
     scale: Tensor | float  # the AE's input scale (the leader's RMS); 1.0 otherwise
     leader_latent: Tensor | None  # "ps": the leader's latent
     coded: bool  # the learned code carries the layer this step
     own_code: Any  # the leader's own code, computed for the run-time guard (reused by encode)
+    named: Tensor | None = None  # a union support: (N, K) mask, True where that rank named the position
+    size: int = 0  # a union support: the support's configured size k (it picks the levels' table)
 
 
 class _LayerContext(NamedTuple):
@@ -125,6 +132,8 @@ class _LayerContext(NamedTuple):
     step: int
     key: str
     coded: bool
+    named: Tensor | None = None
+    size: int = 0
 
 
 @dataclass(frozen=True)
@@ -137,6 +146,7 @@ class LGCOptions(CodecOptions):
     warmup_steps: int | float = 0.05
     ae_train_steps: int | float = 0.1
     ratio: float = 7.5e-3
+    support: str = "leader"
     light_ratio: float | None = None
     density_warmup: int | float = 0
     density_warmup_start: float = 0.25
@@ -164,6 +174,12 @@ class LGCOptions(CodecOptions):
                 f"code_bits must be an integer in [1, 8] (a sign bit and code_bits - 1 of magnitude), got {bits!r}"
             )
         check_choice("variant", self.variant, VARIANTS)
+        check_choice("support", self.support, SUPPORTS)
+        if self.support == "union" and self.code != "levels":
+            raise ValueError(
+                "support='union' is a support for code='levels': the autoencoder's variants decode "
+                f"the leader's support, got code={self.code!r}"
+            )
         self._set("warmup_steps", check_run_steps("warmup_steps", self.warmup_steps))
         self._set("ae_train_steps", check_run_steps("ae_train_steps", self.ae_train_steps))
         if self.ae_train_steps == 0:
@@ -242,6 +258,14 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             which trained clearly worse than plain all-reduce here, see docs/codecs/lgc.md).
             The support travels as an Elias-Fano code (about ``2 + log2(1/ratio)`` bits a
             position), so the steady ratio stays above 100.
+        support: who names the support: ``"leader"`` (default: rank ``step % N`` picks each
+            layer's top ``k`` and broadcasts them) or ``"union"`` (every rank names the
+            ``ceil(k / N)`` largest positions of its own gradient, the names are all-gathered, and
+            every rank sends its values on their union, at most ``k`` positions: no rank's large
+            values wait for its turn to lead). ``"union"`` is for ``code="levels"``; each rank's
+            values at the positions it named travel on the leader's levels, the rest on the
+            others', and the run-time guard passes a layer only where every rank's named values
+            pass it (docs/codecs/lgc.md, "A union support").
         light_ratio: the support's fraction at compression level 0, the level controller's light
             steps; ``None`` (default): ten times ``ratio``, at most 0.25 (``ratio`` itself when it is
             larger: the light level is never sparser than the heavy one). At 1.0 the light steps
@@ -485,6 +509,8 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 held = self._handoff.pop(key, None)
                 if held is not None:
                     x.add_(held.to(x.device))
+        if self.options.support == "union" and stage >= 2:
+            return self._prepare_union(layers, step, stage, t0)
         leader = step % self.world_size  # a rank of the codec's group
         is_leader = self.rank == leader
         device = layers[0][1].device
@@ -585,6 +611,77 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         self.last_timing["prepare_s"] = time.perf_counter() - t0
         return Prepared(nbytes, shared)
 
+    def _prepare_union(self, layers: list[tuple[str, Tensor, Tensor]], step: int, stage: int, t0: float) -> Prepared:
+        """``support="union"``: every rank names the ``ceil(k / N)`` largest positions of its own
+        layer and the names are all-gathered with each rank's guard flags; the support is their
+        union (at most ``k`` positions), and every rank knows who named what.
+
+        In stage 3 each rank passes its own named values through the leader's levels (the run-time
+        guard of the leader's support, on every rank): the code carries a layer this step only
+        where every rank's flag passes. One host read of the gathered flags a bucket."""
+        world, device = self.world_size, layers[0][1].device
+        numels = [x.numel() for _, x, _ in layers]
+        sizes = [self.k_for(n, step) for n in numels]
+        named_sizes = [-(-k // world) for k in sizes]
+        encodings = [choose_encoding("auto", m, n) for m, n in zip(named_sizes, numels)]
+        code_bytes = [encoded_nbytes(e, m, n) for e, m, n in zip(encodings, named_sizes, numels)]
+        use_code = [
+            stage == 3 and k >= MIN_AE_LEN and key in self._ae_layers and self._codes_support(k, n)
+            for (key, _, _), k, n in zip(layers, sizes, numels)
+        ]
+        n_flags = sum(use_code)
+        # one byte message a rank: its guard flags (fp32), then the positions it names, per layer
+        nbytes = 4 * n_flags + sum(code_bytes)
+        mine: list[Tensor] = []
+        own_codes: list[Any] = [None] * len(layers)
+        parts, flags = [], []
+        for i, ((key, x, _), k, m, a, e, n) in enumerate(zip(layers, sizes, named_sizes, use_code, encodings, numels)):
+            idx = self._select(x, m, step)
+            mine.append(idx)
+            parts.append(encode_positions(idx, n, e))
+            if a:
+                v = x[idx]
+                own_codes[i] = levels.encode(v, self._levels_for(key, k, n, levels.LEADER), self.options.code_bits)
+                flags.append(self._within_gate(v, own_codes[i][1]))
+        head = [torch.stack(flags).to(torch.float32).view(torch.uint8)] if flags else []
+        msg = torch.cat(head + parts) if nbytes else torch.empty(0, dtype=torch.uint8, device=device)
+        rows = self.context.all_gather(msg) if world > 1 else msg.view(1, -1)
+        passed = rows[:, : 4 * n_flags].contiguous().view(torch.float32).amin(0).tolist() if n_flags else []
+        if step != self._ae_count_step:  # counted over the buckets of one step
+            self._ae_layers_used, self._values_used, self._ae_count_step = (0, 0), (0, 0, 0), step
+        shared: dict[str, _Shared] = {}
+        off_b, off_f = 4 * n_flags, 0
+        for i, ((key, _, _), k, m, a, e, b, n) in enumerate(
+            zip(layers, sizes, named_sizes, use_code, encodings, code_bytes, numels)
+        ):
+            names = [
+                mine[i] if r == self.rank else decode_positions(rows[r, off_b : off_b + b], m, n, e)
+                for r in range(world)
+            ]
+            off_b += b
+            support = torch.unique(torch.cat(names))  # sorted
+            named = torch.stack([torch.isin(support, idx) for idx in names])
+            coded = False
+            if a:
+                coded = passed[off_f] > 0.5
+                off_f += 1
+                used, eligible = self._ae_layers_used
+                self._ae_layers_used = (used + int(coded), eligible + 1)
+            u = support.numel()
+            carried, total, code_bytes_sent = self._values_used
+            if coded:
+                code_bytes_sent += levels.message_nbytes(m, self.options.code_bits)
+                code_bytes_sent += levels.message_nbytes(u - m, self.options.code_bits) if u > m else 0
+                carried += u
+            self._values_used = (carried, total + u, code_bytes_sent)
+            if stage == 3:
+                tally = self._values_run["denser" if k > keep_count(self.options.ratio, n) else "configured"]
+                tally[0] += u if coded else 0
+                tally[1] += u
+            shared[key] = _Shared(support, 1.0, None, coded, own_codes[i], named, k)
+        self.last_timing["prepare_s"] = time.perf_counter() - t0
+        return Prepared(nbytes, shared, collective="allgather")
+
     def _code_nbytes(self, k: int, numel: int) -> int:
         """Bytes a rank sends for a layer of ``k`` support values that the learned code carries."""
         if not self.uses_autoencoder:
@@ -618,7 +715,9 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         """``prepared``: the layer's :class:`_Shared`, from :meth:`prepare_bucket` (required)."""
         if prepared is None:
             raise RuntimeError(f"lgc.encode of {key!r} needs the layer's context from prepare_bucket")
-        idx, s, z_lead, coded, own_code = prepared
+        if prepared.named is not None:
+            return self._encode_union(x, key, step, prepared)
+        idx, s, z_lead, coded, own_code = prepared[:5]
         v = x[idx]
         local = torch.zeros_like(x)
         k = idx.numel()
@@ -655,6 +754,58 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             local[idx] = s * self.ae.decode(z_lead, k, u.unsqueeze(0))[0]
             return EncodeResult([v[pos], pos.to(torch.int32)], local=local, ctx=ctx)
 
+    def _encode_union(self, x: Tensor, key: str, step: int, prepared: _Shared) -> EncodeResult:
+        """A union support: this rank's values at the positions it named travel on the leader's
+        levels, its values at the others' positions on the others' levels (two messages); exact
+        values where the code does not carry the layer."""
+        idx, coded, own_code = prepared.support, prepared.coded, prepared.own_code
+        named, k = prepared.named, prepared.size
+        v = x[idx]
+        mine = named[self.rank]
+        local = torch.zeros_like(x)
+        if self.rank == 0 and self._refitting(step) and key in self._levels:
+            denser = k > keep_count(self.options.ratio, x.numel())
+            self._keep_for_refit(key, step, v[mine], denser, levels.LEADER)
+            if not bool(mine.all()):
+                self._keep_for_refit(key, step, v[~mine], denser, levels.OTHERS)
+        ctx = _LayerContext(idx, 1.0, None, step, key, coded, named, k)
+        if not coded:
+            local[idx] = v
+            return EncodeResult([v], local=local, ctx=ctx)
+        message, rec = own_code
+        rest = v[~mine]
+        if rest.numel():  # every rank named the same positions: nothing else to send
+            other_message, other_rec = levels.encode(
+                rest, self._levels_for(key, k, x.numel(), levels.OTHERS), self.options.code_bits
+            )
+            message = message + other_message
+        decoded = torch.empty_like(v)
+        decoded[mine] = rec
+        if rest.numel():
+            decoded[~mine] = other_rec
+        local[idx] = decoded
+        return EncodeResult(message, local=local, ctx=ctx)
+
+    def _aggregate_union(self, payloads: Sequence[list[Tensor]], ctx: _LayerContext, numel: int) -> Tensor:
+        """The sum of every rank's decoded values on a union support (:meth:`_encode_union`)."""
+        idx, named = ctx.support, ctx.named
+        out = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
+        if not ctx.coded:
+            out[idx] = torch.stack([p[0].float() for p in payloads]).sum(0)
+            return out
+        table, bits = self._levels_for(ctx.key, ctx.size, numel), self.options.code_bits
+        total = torch.zeros(idx.numel(), dtype=torch.float32, device=out.device)
+        for r, p in enumerate(payloads):
+            mine = named[r]
+            m = int(mine.sum())
+            decoded = torch.empty_like(total)
+            decoded[mine] = levels.decode(p[0:2], table[levels.LEADER], bits, m)
+            if m < idx.numel():
+                decoded[~mine] = levels.decode(p[2:4], table[levels.OTHERS], bits, idx.numel() - m)
+            total += decoded
+        out[idx] = total
+        return out
+
     def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
         # allreduce (RAR stage 3): payload is the sum over ``count`` ranks; return the sum of gradients
         idx, s, coded = ctx.support, ctx.scale, ctx.coded
@@ -668,7 +819,12 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         return out
 
     def aggregate(self, payloads: Sequence[list[Tensor]], ctx: Any, numel: int) -> Tensor:
-        idx, s, z_lead, step, key, coded = ctx
+        if ctx.named is not None:
+            out = self._aggregate_union(payloads, ctx, numel)
+            if not ctx.coded:
+                self._keep_sample(ctx.key, ctx.step, ctx.named, numel, ctx.size, [p[0] for p in payloads])
+            return out
+        idx, s, z_lead, step, key, coded = ctx[:6]
         out = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
         k = idx.numel()
         if coded and not self.uses_autoencoder:  # every rank's levels message, decoded and summed
@@ -677,14 +833,8 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             out[idx] = torch.stack(decoded).sum(0)
             return out
         if not coded:  # stage 2, a layer too short for the code, or one the guard sent exactly
-            values = torch.stack([p[0].float() for p in payloads])
-            out[idx] = values.sum(0)
-            first_kept = max(self.ae_start_step - self.options.ae_samples, self.density_warmup_end)
-            if self.stage(step) == 2 and k >= MIN_AE_LEN and step >= first_kept:
-                with self._samples_lock:
-                    # kept on the values' device: a copy to the host here would wait for the GPU
-                    # once per layer; they move to the CPU only when checkpointed
-                    self._samples.append((key, step, step % len(payloads), numel, values.detach().clone()))
+            out[idx] = torch.stack([p[0].float() for p in payloads]).sum(0)
+            self._keep_sample(key, step, step % len(payloads), numel, k, [p[0] for p in payloads])
             return out
         u = torch.zeros(len(payloads), k, dtype=torch.float32, device=out.device)
         for r, p in enumerate(payloads):
@@ -693,6 +843,17 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             vhat = self.ae.decode(z_lead.expand(len(payloads), -1, -1), k, u)
         out[idx] = s * vhat.sum(0)
         return out
+
+    def _keep_sample(self, key: str, step: int, lead: int | Tensor, numel: int, k: int, values: list[Tensor]) -> None:
+        """Stage 2: keep every rank's exact values of a layer, with the leader's rank (or, on a
+        union support, who named which position), as the learned code's training data."""
+        first_kept = max(self.ae_start_step - self.options.ae_samples, self.density_warmup_end)
+        if self.stage(step) == 2 and k >= MIN_AE_LEN and step >= first_kept:
+            stacked = torch.stack([v.float() for v in values]).detach().clone()
+            with self._samples_lock:
+                # kept on the values' device: a copy to the host here would wait for the GPU
+                # once per layer; they move to the CPU only when checkpointed
+                self._samples.append((key, step, lead, numel, stacked))
 
     # ----------------------------------------------------------------------------------------------
     # training at the switch: rank 0 trains, everyone receives the weights

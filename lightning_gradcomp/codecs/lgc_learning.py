@@ -55,7 +55,8 @@ class LearnedCode:
         self._ae_layers: dict[str, float] = {}  # layers the learned code carries in stage 3 -> held-out error
         self._levels: dict[str, Tensor] = {}  # "levels": each layer's magnitude levels
         self._levels_denser: dict[str, Tensor] = {}  # the same, for a support denser than ``ratio``
-        self._samples: list[tuple[str, int, int, int, Tensor]] = []  # key, step, leader, numel, (N, K) values
+        # key, step, leader (a union support: who named what, (N, K)), numel, (N, K) values
+        self._samples: list[tuple[str, int, int | Tensor, int, Tensor]] = []
         self._samples_lock = threading.Lock()
         # "levels" in stage 3, rank 0 only: its own messages since the last fit, as
         # (key, step, role, denser, relative magnitudes, at most REFIT_VALUES of them)
@@ -129,15 +130,16 @@ class LearnedCode:
             and step >= self.ae_start_step
         )
 
-    def _keep_for_refit(self, key: str, step: int, v: Tensor, denser: bool) -> None:
+    def _keep_for_refit(self, key: str, step: int, v: Tensor, denser: bool, role: int | None = None) -> None:
         """Rank 0: keep a seeded subsample of ``|v| / RMS(v)`` of its own message (the RMS of the
-        whole message, as it travels), with its role, for the next fit."""
+        whole message, as it travels), with its role (``None``: its role at ``step`` on the
+        leader's support), for the next fit."""
         m = levels.relative_magnitudes(v.detach().float())
         if m.numel() > REFIT_VALUES:
             g = torch.Generator(device="cpu").manual_seed(self.options.seed * 1_000_003 + step)
             m = m[torch.randperm(m.numel(), generator=g)[:REFIT_VALUES].to(m.device)]
         with self._samples_lock:
-            self._refit_samples.append((key, step, self._role(step), denser, m.clone()))
+            self._refit_samples.append((key, step, self._role(step) if role is None else role, denser, m.clone()))
             first = step - self.options.refit_every  # only what came since the last fit
             if self._refit_samples[0][1] <= first:
                 self._refit_samples = [smp for smp in self._refit_samples if smp[1] > first]
@@ -263,13 +265,19 @@ class LearnedCode:
         carried 3-5 of 19 layers at the configured support on ResNet-18. The leader's top ``k`` of
         its whole layer are the top ``k`` of its denser support, so a denser sample is cut to the
         leader's ``k`` largest values (every rank's values at those positions), which is the
-        configured support of that step's gradient."""
+        configured support of that step's gradient; a union support's, to each rank's
+        ``ceil(k / N)`` largest values among those it named."""
         with self._samples_lock:
             samples = list(self._samples)
         configured, denser = [], []
         for key, step, lead, numel, values in samples:
             k = keep_count(self.options.ratio, numel)
-            if values.shape[-1] > k:
+            if isinstance(lead, Tensor):  # a union support: each rank named ceil(k / N) of them
+                named = -(-k // values.shape[0])
+                if int(lead[0].sum()) > named:
+                    denser.append((key, step, lead, numel, values))
+                    values, lead = _cut_union(values, lead, named)
+            elif values.shape[-1] > k:
                 denser.append((key, step, lead, numel, values))
                 keep = values[lead].abs().topk(k, sorted=False).indices.sort().values
                 values = values[:, keep]
@@ -347,7 +355,7 @@ class LearnedCode:
         """The learned code, its summary, stage 2's samples and the run's tallies, on the CPU."""
         with self._samples_lock:
             samples = [
-                {"key": k, "step": s, "leader": lead, "numel": n, "values": v.detach().cpu().clone()}
+                {"key": k, "step": s, "leader": _to_cpu(lead), "numel": n, "values": v.detach().cpu().clone()}
                 for k, s, lead, n, v in self._samples
             ]
         return {
@@ -395,7 +403,7 @@ class LearnedCode:
             self._values_run[str(name)] = [int(v) for v in tally]
         with self._samples_lock:
             self._samples = [
-                (d["key"], int(d["step"]), int(d["leader"]), int(d["numel"]), d["values"]) for d in state["samples"]
+                (d["key"], int(d["step"]), _leader(d["leader"]), int(d["numel"]), d["values"]) for d in state["samples"]
             ]
 
     def __getstate__(self) -> dict[str, Any]:
@@ -412,3 +420,24 @@ def _by_role(table: Tensor) -> Tensor:
     """A layer's levels as a ``(2, count)`` table, the leader's row and the others': a checkpoint
     written before the levels had a row per role holds one row, which served both."""
     return table.expand(2, -1).clone() if table.dim() == 1 else table
+
+
+def _cut_union(values: Tensor, named: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """A union support's sample cut to what ``count`` names a rank would have given: each rank's
+    ``count`` largest values among the positions it named, and their union."""
+    picks = []
+    for r in range(values.shape[0]):
+        columns = named[r].to(values.device).nonzero().reshape(-1)
+        picks.append(columns[values[r, columns].abs().topk(min(count, columns.numel()), sorted=False).indices])
+    keep = torch.unique(torch.cat(picks))
+    return values[:, keep], torch.stack([torch.isin(keep, p) for p in picks])
+
+
+def _to_cpu(lead: int | Tensor) -> int | Tensor:
+    """A sample's leader for a checkpoint: a rank, or a union support's mask on the CPU."""
+    return lead.detach().cpu().clone() if isinstance(lead, Tensor) else lead
+
+
+def _leader(saved: Any) -> int | Tensor:
+    """A checkpointed sample's leader: a rank, or a union support's mask of who named what."""
+    return saved.bool() if isinstance(saved, Tensor) else int(saved)

@@ -41,6 +41,7 @@ class Encoded:
     dense_grads: list[Tensor] = field(default_factory=list)  # views of the layers that travel in fp32
     dense: Tensor | None = None  # their concatenation, divided by the world size
     extra_bytes: int = 0  # sent by the codec's own rounds (prepare_bucket)
+    extra_collective: str = "broadcast"  # how they travelled
     t1: float = 0.0
     err_sq: Tensor | float = 0.0  # error statistics, left on the device until read
     ref_sq: Tensor | float = 0.0
@@ -73,6 +74,7 @@ class Encoded:
             collective,
             nbytes,
             extra_bytes=self.extra_bytes,
+            extra_collective=self.extra_collective,
             encode_s=Span(self.clock, self.t0, self.t1),
             err_sq=self.err_sq,
             ref_sq=self.ref_sq,
@@ -133,7 +135,7 @@ def encode_layers(state, buf: Tensor, layers: list, step: int) -> Encoded:
         prepared = codec.prepare_bucket([(k, x, p) for (k, _, x), p in zip(out.inputs, params)], rc)
         if not isinstance(prepared, Prepared):
             raise TypeError(f"codec {codec.name!r}: prepare_bucket must return a Prepared, not {prepared!r}")
-        out.extra_bytes, per_layer = prepared.nbytes, prepared.per_layer
+        out.extra_bytes, out.extra_collective, per_layer = prepared.nbytes, prepared.collective, prepared.per_layer
     for (k, _, x), p, d in zip(out.inputs, params, out.scales):
         if per_layer is None:
             enc = codec.encode(x, k, p, step)
