@@ -503,19 +503,20 @@ def _union_round(rank: int, world: int) -> dict:
     }
 
 
-def test_a_union_support_is_every_ranks_largest_positions_and_stage_2_sums_them_exactly():
-    res = run_gloo(_union_round, world_size=2, timeout=120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_union_support_is_every_ranks_largest_positions_and_stage_2_sums_them_exactly(world):
+    res = run_gloo(_union_round, world_size=world, timeout=120)
     everyone = res[0]["everyone"]
     k = math.ceil(RATIO * 3000)
-    named = [row.abs().topk(math.ceil(k / 2)).indices.sort().values for row in everyone]
+    m = math.ceil(k / world)
+    named = [row.abs().topk(m).indices.sort().values for row in everyone]
     union = torch.unique(torch.cat(named))
-    assert math.ceil(k / 2) < union.numel() <= k  # independent gradients: few positions in common
+    assert m < union.numel() <= world * m  # independent gradients: few positions in common
     for r in res:
         assert torch.equal(r["support"], union)
-        for rank in range(2):
+        for rank in range(world):
             assert torch.equal(union[r["named"][rank]], named[rank])
-        # each rank's names travel in an all-gather, as a position code of ceil(k / 2) entries
-        m = math.ceil(k / 2)
+        # each rank's names travel in an all-gather, as a position code of ceil(k / N) entries
         assert r["collective"] == "allgather"
         assert r["nbytes"] == encoded_nbytes(choose_encoding("auto", m, 3000), m, 3000)
         # stage 2: the exact sum on the union, and this rank's values there in its local account
@@ -529,7 +530,7 @@ def test_a_union_support_is_every_ranks_largest_positions_and_stage_2_sums_them_
     # the stage-2 sample keeps who named what, and a checkpoint round trip keeps it
     state = res[0]["state"]
     (sample,) = state["samples"]
-    assert torch.equal(sample["leader"], res[0]["named"]) and sample["values"].shape == (2, union.numel())
+    assert torch.equal(sample["leader"], res[0]["named"]) and sample["values"].shape == (world, union.numel())
     restored = LGCCodec(support="union", warmup_steps=2, ae_train_steps=4, ratio=RATIO)
     restored.load_state_dict(state)
     assert torch.equal(restored._samples[0][2], res[0]["named"])
