@@ -14,6 +14,7 @@ import torch
 from dist_utils import run_gloo
 from torch import nn
 
+from lightning_gradcomp.codecs.base import CodecContext
 from lightning_gradcomp.hook import CodecHookState
 from lightning_gradcomp.registry import make_codec
 
@@ -216,6 +217,13 @@ def test_gradiveq_beside_adam_quantizes_its_coefficients_finer_unless_told_other
     assert strategy.codec.options.quant_levels == 7
     strategy = _set_up_beside("adamw", codec="gradiveq")
     assert strategy._optimizer_defaults["options"] == {"quant_levels": 31}
+    # a world too large for 31 levels (their sums must stay exact in fp32) is refused when they are
+    # adopted, before the first step, and the codec keeps its seven
+    codec = make_codec("gradiveq")
+    codec.setup(CodecContext(0, 300_000, torch.device("cpu")))  # seven levels fit 300,000 ranks
+    with pytest.raises(ValueError, match=r"quant_levels=31 with 300000 ranks.*use quant_levels <= 27"):
+        codec.adopt_defaults({"quant_levels": 31})
+    assert codec.options.quant_levels == 7
 
 
 def _controller_beside(optimizer: str, **kwargs):

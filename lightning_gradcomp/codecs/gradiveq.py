@@ -359,6 +359,18 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
         if self.options.quant_levels:
             self._field_bits()  # raises early when the world is too large for the levels
 
+    def replace_options(self, **changes: Any) -> None:
+        before = self.options
+        super().replace_options(**changes)
+        if self.context is not None and self.options.quant_levels:
+            # levels adopted after setup (beside Adam) face setup's check of the world size now,
+            # before the first step, not at the first step that packs them
+            try:
+                self._field_bits()
+            except ValueError:
+                self.options = before  # a refused value changes nothing
+                raise
+
     @property
     def configured_components(self) -> int:
         """k, the option ``num_components`` resolved: by default ``slice_dim`` with
