@@ -151,6 +151,7 @@ _OPTION_CHANGES = {
     ("lgc", "ratio"): (0.01, 0.0075),  # a steady ratio of 300 on ResNet-18 (docs/codecs/lgc.md)
     ("lgc", "warmup_codec"): ("<absent>", "allreduce"),  # stage 1 dense unless PowerSGD is asked for
     ("lgc", "warmup_rank"): ("<absent>", 4),
+    ("lgc", "support"): ("<absent>", "leader"),  # the leader names the support, as before ("union": every rank)
     ("iwp", "last_encodings"): ([], "<absent>"),  # introspection of the last bucket, now plain attributes
     ("iwp", "last_index_bytes"): (0, "<absent>"),
     ("iwp", "last_root"): (-1, "<absent>"),

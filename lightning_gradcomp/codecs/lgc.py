@@ -265,7 +265,9 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             values wait for its turn to lead). ``"union"`` is for ``code="levels"``; each rank's
             values at the positions it named travel on the leader's levels, the rest on the
             others', and the run-time guard passes a layer only where every rank's named values
-            pass it (docs/codecs/lgc.md, "A union support").
+            pass it. On PSPNet/CamVid beside AdamW it ended level with the leader's support over
+            eight seeds (-0.09 mIoU) at 16 % fewer bytes (docs/codecs/lgc.md, "Beside Adam: a
+            union support").
         light_ratio: the support's fraction at compression level 0, the level controller's light
             steps; ``None`` (default): ten times ``ratio``, at most 0.25 (``ratio`` itself when it is
             larger: the light level is never sparser than the heavy one). At 1.0 the light steps
