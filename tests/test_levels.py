@@ -247,20 +247,26 @@ def _expected_stage3_wire(world: int) -> float:
     return broadcast + (world - 1) * (sum(levels.message_nbytes(k, 2) for k in ks) + 2 * dense + 4)
 
 
+def _assert_every_layer_coded_on_identical_ranks(r: dict) -> None:
+    """The stages as scheduled, the same gradient on every rank at every step, and in stage 3
+    every layer carried by the code, with what it did not carry in the residual, exactly."""
+    rows = r["rows"]
+    assert [row["stage"] for row in rows] == [1] * WARMUP + [2] * COLLECT + [3] * STAGE3
+    for row in rows:
+        assert row["identical"]
+    for row in rows[WARMUP + COLLECT :]:
+        assert row["used"] == (3, 3)
+        assert row["err_sq"] == pytest.approx(row["residual_sq"], rel=1e-6)
+
+
 def test_levels_carry_every_layer_identically_on_two_ranks_with_exact_error_feedback():
     res = run_gloo(_train_levels, world_size=2, timeout=300)
     assert res[0]["digest"] == res[1]["digest"] and res[0]["layers"] == res[1]["layers"]
     assert len(res[0]["layers"]) == 3, res[0]["layers"]  # the learned code engaged on every layer
     for r in res:
-        rows = r["rows"]
-        assert [row["stage"] for row in rows] == [1] * WARMUP + [2] * COLLECT + [3] * STAGE3
-        for row in rows:
-            assert row["identical"]
-        for row in rows[WARMUP + COLLECT :]:
-            assert row["used"] == (3, 3)
+        _assert_every_layer_coded_on_identical_ranks(r)
+        for row in r["rows"][WARMUP + COLLECT :]:
             assert row["wire"] == pytest.approx(_expected_stage3_wire(2))
-            # what the code did not carry stays in the residual, exactly
-            assert row["err_sq"] == pytest.approx(row["residual_sq"], rel=1e-6)
         support = sum(math.ceil(RATIO * p.numel()) for p in _mlp().parameters() if p.numel() >= 1000)
         assert r["values_run"] == {"configured": (STAGE3 * support, STAGE3 * support), "denser": (0, 0)}
 
@@ -576,13 +582,7 @@ def test_a_union_support_carries_every_layer_identically_on_two_ranks_with_exact
     assert len(res[0]["layers"]) == 3 and res[0]["denser"] == sorted(res[0]["layers"])
     support = sum(math.ceil(RATIO * p.numel()) for p in _mlp().parameters() if p.numel() >= 1000)
     for r in res:
-        rows = r["rows"]
-        assert [row["stage"] for row in rows] == [1] * WARMUP + [2] * COLLECT + [3] * STAGE3
-        for row in rows:
-            assert row["identical"]
-        for row in rows[WARMUP + COLLECT :]:
-            assert row["used"] == (3, 3)
-            assert row["err_sq"] == pytest.approx(row["residual_sq"], rel=1e-6)
-        assert rows[WARMUP + COLLECT]["wire"] < _expected_stage3_wire(2)
+        _assert_every_layer_coded_on_identical_ranks(r)
+        assert r["rows"][WARMUP + COLLECT]["wire"] < _expected_stage3_wire(2)
         carried, total = r["values_run"]["configured"]
         assert carried == total and 2 * (support // 2) <= total <= 2 * support  # two steps, union of halves
