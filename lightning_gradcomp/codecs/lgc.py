@@ -581,8 +581,6 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         latents = msg[4 * (n_scales + n_flags) : 4 * (n_scales + n_flags + n_lat)].view(torch.float32)
         off_b, off_f, off_z = 4 * (n_scales + n_flags + n_lat), 0, 0
         shared: dict[str, _Shared] = {}
-        if step != self._ae_count_step:  # counted over the buckets of one step
-            self._ae_layers_used, self._values_used, self._ae_count_step = (0, 0), (0, 0, 0), step
         for i, ((key, _, _), k, a, nl, e, b, n) in enumerate(
             zip(layers, sizes, use_ae, lat, encodings, code_bytes, numels)
         ):
@@ -599,16 +597,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 if ps:
                     z = latents[off_z : off_z + nl].view(1, self.ae.latent_channels, -1) if coded else None
                     off_z += nl
-                used, eligible = self._ae_layers_used
-                self._ae_layers_used = (used + int(coded), eligible + 1)
-            carried, support, code_bytes_sent = self._values_used
-            if coded:
-                carried, code_bytes_sent = carried + k, code_bytes_sent + self._code_nbytes(k, n)
-            self._values_used = (carried, support + k, code_bytes_sent)
-            if stage == 3:
-                tally = self._values_run["denser" if k > keep_count(self.options.ratio, n) else "configured"]
-                tally[0] += k if coded else 0
-                tally[1] += k
+            self._count_layer(step, stage, k, n, k, a, coded, self._code_nbytes(k, n) if coded else 0)
             shared[key] = _Shared(idx, s, z, coded, own_codes[i])
         self.last_timing["prepare_s"] = time.perf_counter() - t0
         return Prepared(nbytes, shared)
@@ -647,10 +636,8 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 flags.append(self._within_gate(v, own_codes[i][1]))
         head = [torch.stack(flags).to(torch.float32).view(torch.uint8)] if flags else []
         msg = torch.cat(head + parts) if nbytes else torch.empty(0, dtype=torch.uint8, device=device)
-        rows = self.context.all_gather(msg) if world > 1 else msg.view(1, -1)
+        rows = self.context.all_gather(msg)
         passed = rows[:, : 4 * n_flags].contiguous().view(torch.float32).amin(0).tolist() if n_flags else []
-        if step != self._ae_count_step:  # counted over the buckets of one step
-            self._ae_layers_used, self._values_used, self._ae_count_step = (0, 0), (0, 0, 0), step
         shared: dict[str, _Shared] = {}
         off_b, off_f = 4 * n_flags, 0
         for i, ((key, _, _), k, m, a, e, b, n) in enumerate(
@@ -667,22 +654,32 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             if a:
                 coded = passed[off_f] > 0.5
                 off_f += 1
-                used, eligible = self._ae_layers_used
-                self._ae_layers_used = (used + int(coded), eligible + 1)
-            u = support.numel()
-            carried, total, code_bytes_sent = self._values_used
-            if coded:
-                code_bytes_sent += levels.message_nbytes(m, self.options.code_bits)
-                code_bytes_sent += levels.message_nbytes(u - m, self.options.code_bits) if u > m else 0
-                carried += u
-            self._values_used = (carried, total + u, code_bytes_sent)
-            if stage == 3:
-                tally = self._values_run["denser" if k > keep_count(self.options.ratio, n) else "configured"]
-                tally[0] += u if coded else 0
-                tally[1] += u
+            u, bits = support.numel(), self.options.code_bits
+            sent = levels.message_nbytes(m, bits) + (levels.message_nbytes(u - m, bits) if u > m else 0)
+            self._count_layer(step, stage, k, n, u, a, coded, sent if coded else 0)
             shared[key] = _Shared(support, 1.0, None, coded, own_codes[i], named, k)
         self.last_timing["prepare_s"] = time.perf_counter() - t0
         return Prepared(nbytes, shared, collective="allgather")
+
+    def _count_layer(
+        self, step: int, stage: int, k: int, numel: int, values: int, eligible: bool, coded: bool, code_nbytes: int
+    ) -> None:
+        """Count one layer of ``step`` for the scalars and the report: whether the code may carry it
+        (``eligible``) and did (``coded``), the ``values`` on its support (``k``, the configured
+        size, picks the tally; a union support holds at most ``k``) and the bytes of its code."""
+        if step != self._ae_count_step:  # counted over the buckets of one step
+            self._ae_layers_used, self._values_used, self._ae_count_step = (0, 0), (0, 0, 0), step
+        if eligible:
+            used, candidates = self._ae_layers_used
+            self._ae_layers_used = (used + int(coded), candidates + 1)
+        carried, support, code_bytes_sent = self._values_used
+        if coded:
+            carried, code_bytes_sent = carried + values, code_bytes_sent + code_nbytes
+        self._values_used = (carried, support + values, code_bytes_sent)
+        if stage == 3:
+            tally = self._values_run["denser" if k > keep_count(self.options.ratio, numel) else "configured"]
+            tally[0] += values if coded else 0
+            tally[1] += values
 
     def _code_nbytes(self, k: int, numel: int) -> int:
         """Bytes a rank sends for a layer of ``k`` support values that the learned code carries."""
@@ -775,26 +772,22 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             local[idx] = v
             return EncodeResult([v], local=local, ctx=ctx)
         message, rec = own_code
+        decoded = torch.empty_like(v)
+        decoded[mine] = rec
         rest = v[~mine]
-        if rest.numel():  # every rank named the same positions: nothing else to send
-            other_message, other_rec = levels.encode(
+        if rest.numel():  # else every rank named the same positions: nothing else to send
+            other_message, decoded[~mine] = levels.encode(
                 rest, self._levels_for(key, k, x.numel(), levels.OTHERS), self.options.code_bits
             )
             message = message + other_message
-        decoded = torch.empty_like(v)
-        decoded[mine] = rec
-        if rest.numel():
-            decoded[~mine] = other_rec
         local[idx] = decoded
         return EncodeResult(message, local=local, ctx=ctx)
 
     def _aggregate_union(self, payloads: Sequence[list[Tensor]], ctx: _LayerContext, numel: int) -> Tensor:
-        """The sum of every rank's decoded values on a union support (:meth:`_encode_union`)."""
+        """The sum of every rank's decoded values on a union support where the code carries the
+        layer (:meth:`_encode_union`)."""
         idx, named = ctx.support, ctx.named
         out = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
-        if not ctx.coded:
-            out[idx] = torch.stack([p[0].float() for p in payloads]).sum(0)
-            return out
         table, bits = self._levels_for(ctx.key, ctx.size, numel), self.options.code_bits
         total = torch.zeros(idx.numel(), dtype=torch.float32, device=out.device)
         for r, p in enumerate(payloads):
@@ -821,22 +814,23 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         return out
 
     def aggregate(self, payloads: Sequence[list[Tensor]], ctx: Any, numel: int) -> Tensor:
-        if ctx.named is not None:
-            out = self._aggregate_union(payloads, ctx, numel)
-            if not ctx.coded:
-                self._keep_sample(ctx.key, ctx.step, ctx.named, numel, ctx.size, [p[0] for p in payloads])
-            return out
         idx, s, z_lead, step, key, coded = ctx[:6]
         out = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
         k = idx.numel()
-        if coded and not self.uses_autoencoder:  # every rank's levels message, decoded and summed
+        if not coded:  # stage 2, a layer too short for the code, or one the guard sent exactly
+            values = torch.stack([p[0].float() for p in payloads])
+            out[idx] = values.sum(0)
+            if ctx.named is None:
+                self._keep_sample(key, step, step % len(payloads), numel, k, values)
+            else:  # a union support: who named what, and its configured size
+                self._keep_sample(key, step, ctx.named, numel, ctx.size, values)
+            return out
+        if ctx.named is not None:
+            return self._aggregate_union(payloads, ctx, numel)
+        if not self.uses_autoencoder:  # every rank's levels message, decoded and summed
             table, bits, leader = self._levels_for(key, k, numel), self.options.code_bits, step % len(payloads)
             decoded = [levels.decode(p, table[levels.role(r, leader)], bits, k) for r, p in enumerate(payloads)]
             out[idx] = torch.stack(decoded).sum(0)
-            return out
-        if not coded:  # stage 2, a layer too short for the code, or one the guard sent exactly
-            out[idx] = torch.stack([p[0].float() for p in payloads]).sum(0)
-            self._keep_sample(key, step, step % len(payloads), numel, k, [p[0] for p in payloads])
             return out
         u = torch.zeros(len(payloads), k, dtype=torch.float32, device=out.device)
         for r, p in enumerate(payloads):
@@ -846,16 +840,15 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         out[idx] = s * vhat.sum(0)
         return out
 
-    def _keep_sample(self, key: str, step: int, lead: int | Tensor, numel: int, k: int, values: list[Tensor]) -> None:
-        """Stage 2: keep every rank's exact values of a layer, with the leader's rank (or, on a
-        union support, who named which position), as the learned code's training data."""
+    def _keep_sample(self, key: str, step: int, lead: int | Tensor, numel: int, k: int, values: Tensor) -> None:
+        """Stage 2: keep every rank's exact values of a layer (``(N, K)``), with the leader's rank
+        (or, on a union support, who named which position), as the learned code's training data."""
         first_kept = max(self.ae_start_step - self.options.ae_samples, self.density_warmup_end)
         if self.stage(step) == 2 and k >= MIN_AE_LEN and step >= first_kept:
-            stacked = torch.stack([v.float() for v in values]).detach().clone()
             with self._samples_lock:
                 # kept on the values' device: a copy to the host here would wait for the GPU
                 # once per layer; they move to the CPU only when checkpointed
-                self._samples.append((key, step, lead, numel, stacked))
+                self._samples.append((key, step, lead, numel, values.detach().clone()))
 
     # ----------------------------------------------------------------------------------------------
     # training at the switch: rank 0 trains, everyone receives the weights
