@@ -400,6 +400,7 @@ class StagesSeen(Callback):
         codec = trainer.strategy.codec
         record = {"stages": self.stages, "total": codec.run_total_steps, "trained": codec.ae_trained}
         record["options"] = [codec.options.ratio, codec.harness.dense_dtype, codec.options.max_recon_error]
+        record["support"] = codec.options.support
         record["dense"] = sorted(codec.dense_keys)
         record["compressed"] = sorted(n for n, p in pl_module.named_parameters() if codec.should_compress(n, p))
         record["lr_reference"] = [cb.lr_reference for cb in trainer.callbacks if hasattr(cb, "lr_reference")]
@@ -445,14 +446,62 @@ def test_default_stages_are_fractions_of_the_run(tmp_path, optimizer, options):
         # peak rule; with SGD the small last layer stays exact ("auto") under the previous-step rule
         if optimizer == "adamw":
             assert seen[rank]["options"] == [0.07, "bfloat16", 0.35] and seen[rank]["dense"] == []
+            assert seen[rank]["support"] == "union"  # every rank names its share of the support
             assert seen[rank]["lr_reference"] == ["peak"]
         else:
             assert seen[rank]["options"] == [0.0075, "bfloat16", 0.3]
+            assert seen[rank]["support"] == "leader"
             assert seen[rank]["dense"] == ["net.4.bias", "net.4.weight"]
             assert seen[rank]["lr_reference"] == ["previous"]
         assert ("net.4.weight" in seen[rank]["compressed"]) is (optimizer == "adamw")
     assert seen[0]["params"] == seen[1]["params"]
     assert all(seen[rank]["warmup"] == ("warmup_codec" in options) for rank in (0, 1))
+
+
+class FinalWeights(Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.global_rank == 0:
+            torch.save({k: v.detach().clone() for k, v in pl_module.state_dict().items()}, self.path)
+
+
+def test_lgc_beside_adamw_runs_its_defaults_as_written_out(tmp_path):
+    """lgc with no options beside AdamW trains bit for bit as the options the docs write out for
+    it, given: the defaults adopted once the optimizers exist (the union support among them) set
+    up nothing differently from the same options given at construction, so the accuracy rows
+    measured with them given are the defaults' rows."""
+    from lightning.pytorch import Trainer
+
+    from lightning_gradcomp import CompressedDDPStrategy
+
+    written_out = {"ratio": 0.07, "dense_layers": "none", "max_recon_error": 0.35, "support": "union"}
+    runs = [("defaults", {}, None), ("written", written_out, {"lr_reference": "peak"})]
+    runs.append(("leader", {"support": "leader"}, None))  # the previous version's support, given
+    weights = {}
+    for name, options, level in runs:
+        path = str(tmp_path / f"{name}.pt")
+        strategy = CompressedDDPStrategy(codec="lgc", codec_options=options, adaptive_level=level, start_method="spawn")
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=40,
+            callbacks=[FinalWeights(path)],
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            logger=False,
+            enable_checkpointing=False,
+        )
+        torch.manual_seed(0)  # the same initial weights for both runs
+        trainer.fit(MLPModule("adamw"))
+        weights[name] = torch.load(path, weights_only=True)
+    assert weights["defaults"].keys() == weights["written"].keys()
+    for key, value in weights["defaults"].items():
+        assert torch.equal(value, weights["written"][key]), key
+    # and the support matters on this model: on the leader's the same run ends elsewhere
+    assert not torch.equal(weights["defaults"]["net.0.weight"], weights["leader"]["net.0.weight"])
 
 
 # --------------------------------------------------------------------------------------------------

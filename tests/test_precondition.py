@@ -191,9 +191,16 @@ def test_lgc_beside_adam_keeps_a_denser_support_unless_told_otherwise():
     assert (codec.options.ratio, codec.harness.dense_dtype, codec.harness.dense_layers) == (0.07, "bfloat16", ("none",))
     assert codec.config()["ratio"] == 0.07 and codec.config()["dense_dtype"] == "bfloat16"
     assert codec.options.max_recon_error == 0.35  # the guard's threshold for 2-bit levels at 7 %
+    assert codec.options.support == "union"  # every rank names its share of the support
+    # the union is for the 2-bit levels: a support the user chose, or the autoencoder's code (which
+    # decodes the leader's support), keeps the leader's
+    for given in ({"support": "leader"}, {"code": "autoencoder"}):
+        codec = _strategy_beside("adamw", codec="lgc", codec_options=given)
+        assert (codec.options.ratio, codec.options.support) == (0.07, "leader")
     codec = _strategy_beside("sgd", codec="lgc")  # lgc's dense layers go in bfloat16 with any optimizer
     sgd = (codec.options.ratio, codec.harness.dense_dtype, codec.harness.dense_layers)
     assert sgd == (0.0075, "bfloat16", ("auto",)) and codec.options.max_recon_error == 0.3
+    assert codec.options.support == "leader"
     # what the user set stays; a codec built by the user is kept as it is
     codec = _strategy_beside(
         "adamw", codec="lgc", codec_options={"ratio": 0.02, "dense_dtype": "float32", "dense_layers": "auto"}
@@ -255,6 +262,10 @@ def test_a_resumed_run_takes_what_its_checkpoint_took_beside_adam_and_names_opti
     strategy = _set_up_beside("adamw", codec="lgc", resumed_from={"optimizer_defaults": recorded})
     assert strategy.codec.options.max_recon_error == 0.3 and strategy.codec.harness.dense_layers == ("none",)
     assert _set_up_beside("adamw", codec="lgc").codec.options.max_recon_error == 0.35
+    # and one that took the guard at 0.35 but not yet the union support resumes on the leader's
+    recorded["options"]["max_recon_error"] = 0.35
+    strategy = _set_up_beside("adamw", codec="lgc", resumed_from={"optimizer_defaults": recorded})
+    assert strategy.codec.options.support == "leader"
     # an earlier version's checkpoint records only its options: their values, the default rule
     saved = {"options": {**make_codec("lgc").config(), "ratio": 0.03}}
     strategy = _set_up_beside("adamw", codec="lgc", resumed_from=saved)

@@ -281,7 +281,8 @@ PREVIOUS_OPTIONS = {"lgc": {"dense_dtype": "float32", "ratio": 0.01}}
 # end layers compressed, the guard at 0.35 and the controller's peak rule there, it took a 3 %
 # support alone
 PREVIOUS_ADAMW = HERE / "data" / "checkpoints_ee6e149" / "lgc_adamw.ckpt"
-PREVIOUS_ADAMW_OPTIONS = {"ratio": 0.03, "dense_layers": "auto", "max_recon_error": 0.3}
+# what that version ran with beside AdamW (a leader's support, which a support given keeps)
+PREVIOUS_ADAMW_OPTIONS = {"ratio": 0.03, "dense_layers": "auto", "max_recon_error": 0.3, "support": "leader"}
 
 
 def _previous_options(codec: str) -> dict:
@@ -457,7 +458,7 @@ def test_lgc_beside_adamw_resumes_like_an_uninterrupted_run(resume_results) -> N
     assert "residual.body.4.weight" in saved["gradcomp"]["ranks"][0]
     # and what the run took there, which a resumed run takes again
     recorded = saved["gradcomp"]["optimizer_defaults"]
-    taken = {"ratio": 0.07, "dense_layers": ["none"], "max_recon_error": 0.35}
+    taken = {"ratio": 0.07, "dense_layers": ["none"], "max_recon_error": 0.35, "support": "union"}
     assert recorded == {"options": taken, "controller": {"lr_reference": "peak"}}
     _assert_continues_exactly(full, resumed, "lgc")
 

@@ -27,7 +27,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable, Literal, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Collection, Iterable, Literal, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -346,6 +346,11 @@ class Codec:
             except ValueError:
                 self.harness = before  # a refused value changes nothing
                 raise
+
+    def optimizer_defaults(self, given: Collection[str]) -> dict[str, Any]:
+        """The :attr:`adaptive_optimizer_defaults` that apply beside the options the user
+        ``given`` (their names): all of them, unless a codec's defaults depend on each other."""
+        return dict(self.adaptive_optimizer_defaults)
 
     def _check_harness_for_codec(self) -> None:
         """The harness options this codec cannot run with: the harness's own rule, then the codec's."""
