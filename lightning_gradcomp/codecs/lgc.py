@@ -95,7 +95,7 @@ from lightning_gradcomp.codecs.lgc_autoencoder import GradientAutoencoder
 from lightning_gradcomp.codecs.lgc_learning import LearnedCode
 from lightning_gradcomp.codecs.positions import choose_encoding, decode_positions, encode_positions, encoded_nbytes
 from lightning_gradcomp.codecs.powersgd import PowerSGDCodec
-from lightning_gradcomp.codecs.sampling import DensityWarmup, check_density_warmup, keep_count, select_top
+from lightning_gradcomp.codecs.sampling import DensityWarmup, check_density_warmup, keep_count, named_count, select_top
 from lightning_gradcomp.registry import register_codec
 
 __all__ = ["LGCCodec", "LGCOptions", "GradientAutoencoder", "MIN_AE_LEN"]
@@ -632,7 +632,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         world, device = self.world_size, layers[0][1].device
         numels = [x.numel() for _, x, _ in layers]
         sizes = [self.k_for(n, step) for n in numels]
-        named_sizes = [-(-k // world) for k in sizes]
+        named_sizes = [named_count(k, world) for k in sizes]
         encodings = [choose_encoding("auto", m, n) for m, n in zip(named_sizes, numels)]
         code_bytes = [encoded_nbytes(e, m, n) for e, m, n in zip(encodings, named_sizes, numels)]
         use_code = [

@@ -30,7 +30,7 @@ from lightning_gradcomp import comm
 from lightning_gradcomp.codecs import levels
 from lightning_gradcomp.codecs import lgc_autoencoder as autoencoder
 from lightning_gradcomp.codecs.lgc_autoencoder import GradientAutoencoder
-from lightning_gradcomp.codecs.sampling import keep_count
+from lightning_gradcomp.codecs.sampling import keep_count, named_count
 
 __all__ = ["LearnedCode", "REFIT_VALUES"]
 
@@ -273,7 +273,7 @@ class LearnedCode:
         for key, step, lead, numel, values in samples:
             k = keep_count(self.options.ratio, numel)
             if isinstance(lead, Tensor):  # a union support: each rank named ceil(k / N) of them
-                named = -(-k // values.shape[0])
+                named = named_count(k, values.shape[0])
                 if int(lead[0].sum()) > named:
                     denser.append((key, step, lead, numel, values))
                     values, lead = _cut_union(values, lead, named)

@@ -30,6 +30,12 @@ def keep_count(fraction: float, numel: int) -> int:
     return max(1, min(numel, math.ceil(fraction * numel)))
 
 
+def named_count(k: int, world: int) -> int:
+    """Positions each of ``world`` ranks names on a union support of ``k``: ``ceil(k / world)``,
+    so that the union holds at most about ``k``, and exactly ``k`` names when no two ranks agree."""
+    return -(-k // world)
+
+
 def select_top(s: Tensor, k: int, sample_fraction: float = 0.01, generator: torch.Generator | None = None) -> Tensor:
     """Sorted positions of the ``k`` largest entries of ``s`` (int64, exactly ``k`` of them).
 
