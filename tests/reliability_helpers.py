@@ -156,6 +156,7 @@ class Recorder(Callback):
                 "global_step": trainer.global_step,
                 "batch": (trainer.current_epoch, batch_idx, float(batch[0].double().sum())),
                 "hook_step": st.step,
+                "stage": getattr(trainer.strategy.codec, "stage", lambda step: None)(st.step - 1),  # lgc's
                 "weights": flat_params(pl_module),
                 "residuals": st.memory.state_dict(),
                 "nonfinite_steps": st.nonfinite_steps,

@@ -41,6 +41,14 @@ NONFINITE_RUNS = [
     {"codec": "powersgd", "nonfinite": "skip", "model": {"bad_step": BAD, "bad_value": math.inf}},
     {"codec": "topk", "nonfinite": "zero", "model": {"bad_step": BAD, "bad_value": math.inf}},
     {"codec": "fp16", "nonfinite": "raise", "model": {"bad_step": BAD}},
+    # lgc beside AdamW: its defaults there (the union support), the bad step inside stage 3 (which
+    # starts at step 3), where every rank's names and guard flags are gathered before the values travel
+    {
+        "codec": "lgc",
+        "codec_options": {"warmup_steps": 2, "ae_train_steps": 1, "min_numel": 256},
+        "nonfinite": "skip",
+        "model": {"bad_step": BAD, "optimizer": "adamw"},
+    },
 ]
 
 
@@ -49,11 +57,14 @@ def nonfinite_results() -> list[list[dict]]:
     return _lightning([{**r, "max_steps": 7} for r in NONFINITE_RUNS])
 
 
-@pytest.mark.parametrize("i", [0, 1, 2], ids=["fp16", "topk", "powersgd"])
+@pytest.mark.parametrize("i", [0, 1, 2, 5], ids=["fp16", "topk", "powersgd", "lgc-adamw"])
 def test_nonfinite_gradient_skips_the_step_on_every_rank(nonfinite_results, i) -> None:
     ranks = nonfinite_results[i]
     for r, out in enumerate(ranks):
         assert out["error"] is None, out.get("message")
+        if NONFINITE_RUNS[i]["codec"] == "lgc":  # the bad step is a coded one, after the levels' fit
+            assert out["codec_config"]["support"] == "union" and out["codec_config"]["ratio"] == 0.07
+            assert [row["stage"] for row in out["rows"]] == [1, 1, 2, 3, 3, 3, 3]
         rows = out["rows"]  # rows[s] is the state after optimizer step s
         assert len(rows) == 7
         # detected on every rank (rank 0's own gradient was finite), counted once, logged
@@ -71,7 +82,7 @@ def test_nonfinite_gradient_skips_the_step_on_every_rank(nonfinite_results, i) -
         assert bool(torch.isfinite(out["final"]).all())
     for a, b in zip(ranks[0]["rows"], ranks[1]["rows"]):  # ranks stay identical at every step
         assert torch.equal(a["weights"], b["weights"])
-    if NONFINITE_RUNS[i]["codec"] == "topk":  # residuals exist and are per rank
+    if NONFINITE_RUNS[i]["codec"] in ("topk", "lgc"):  # residuals exist and are per rank
         assert ranks[0]["rows"][BAD]["residuals"] and not same(
             ranks[0]["rows"][BAD]["residuals"], ranks[1]["rows"][BAD]["residuals"]
         )
