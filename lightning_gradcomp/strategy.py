@@ -187,7 +187,7 @@ class CompressedDDPStrategy(DDPStrategy):
             return
         if not any(_is_adaptive(g) for opt in self.optimizers for g in opt.param_groups):
             return
-        defaults = self.codec.optimizer_defaults(self._options_given)
+        defaults = self.codec.optimizer_defaults()
         controller = dict(self.codec.adaptive_optimizer_controller)
         resumed = self._resumed_from
         if resumed is not None:

@@ -27,7 +27,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Collection, Iterable, Literal, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Literal, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -347,9 +347,9 @@ class Codec:
                 self.harness = before  # a refused value changes nothing
                 raise
 
-    def optimizer_defaults(self, given: Collection[str]) -> dict[str, Any]:
-        """The :attr:`adaptive_optimizer_defaults` that apply beside the options the user
-        ``given`` (their names): all of them, unless a codec's defaults depend on each other."""
+    def optimizer_defaults(self) -> dict[str, Any]:
+        """The :attr:`adaptive_optimizer_defaults` that apply to this codec as configured: all of
+        them, unless one depends on another of its options."""
         return dict(self.adaptive_optimizer_defaults)
 
     def _check_harness_for_codec(self) -> None:

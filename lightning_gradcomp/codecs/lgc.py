@@ -67,7 +67,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Collection, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -357,7 +357,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
     }
     adaptive_optimizer_controller = {"lr_reference": "peak"}
 
-    def optimizer_defaults(self, given: Collection[str]) -> dict[str, Any]:
+    def optimizer_defaults(self) -> dict[str, Any]:
         """The union support is for the 2-bit levels: beside the autoencoder's code, which decodes
         the leader's support, the leader's stays."""
         defaults = dict(self.adaptive_optimizer_defaults)
