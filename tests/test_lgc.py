@@ -267,6 +267,24 @@ class MLPModule(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
 
 
+def _two_rank_trainer(strategy, max_steps: int, callbacks: list, **extra):
+    """A quiet two-process CPU Trainer for ``strategy`` (no logger, checkpoints or progress bar)."""
+    from lightning.pytorch import Trainer
+
+    return Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=max_steps,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        **extra,
+    )
+
+
 class Digest(Callback):
     """Writes each rank's AE digest, trained flag and step at train start and end."""
 
@@ -300,18 +318,8 @@ def test_lightning_run_logs_stages_and_resume_restores_the_learned_code(tmp_path
             codec_options=dict(ratio=RATIO, min_numel=1000, ae_epochs=2, max_recon_error=100.0, dense_layers="none"),
             start_method="spawn",
         )
-        return Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
-            max_steps=max_steps,
-            callbacks=[AutoencoderWarmup(warmup_steps=3, ae_train_steps=4), Digest(str(tmp_path), tag)],
-            default_root_dir=str(tmp_path),
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            logger=False,
-            enable_checkpointing=False,
-        )
+        callbacks = [AutoencoderWarmup(warmup_steps=3, ae_train_steps=4), Digest(str(tmp_path), tag)]
+        return _two_rank_trainer(strategy, max_steps, callbacks, default_root_dir=str(tmp_path))
 
     first = trainer(9, "a")
     first.fit(MLPModule())
@@ -418,21 +426,10 @@ class StagesSeen(Callback):
 def test_default_stages_are_fractions_of_the_run(tmp_path, optimizer, options):
     import json
 
-    from lightning.pytorch import Trainer
-
     from lightning_gradcomp import CompressedDDPStrategy
 
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=CompressedDDPStrategy(codec="lgc", codec_options=options, start_method="spawn"),
-        max_steps=40,
-        callbacks=[StagesSeen(str(tmp_path))],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
-        enable_checkpointing=False,
-    )
+    strategy = CompressedDDPStrategy(codec="lgc", codec_options=options, start_method="spawn")
+    trainer = _two_rank_trainer(strategy, 40, [StagesSeen(str(tmp_path))])
     trainer.fit(MLPModule(optimizer))
     seen = [json.loads((tmp_path / f"stages{rank}.json").read_text()) for rank in (0, 1)]
     for rank in (0, 1):
@@ -472,7 +469,6 @@ def test_lgc_beside_adamw_runs_its_defaults_as_written_out(tmp_path):
     it, given: the defaults adopted once the optimizers exist (the union support among them) set
     up nothing differently from the same options given at construction, so the accuracy rows
     measured with them given are the defaults' rows."""
-    from lightning.pytorch import Trainer
 
     from lightning_gradcomp import CompressedDDPStrategy
 
@@ -483,17 +479,7 @@ def test_lgc_beside_adamw_runs_its_defaults_as_written_out(tmp_path):
     for name, options, level in runs:
         path = str(tmp_path / f"{name}.pt")
         strategy = CompressedDDPStrategy(codec="lgc", codec_options=options, adaptive_level=level, start_method="spawn")
-        trainer = Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
-            max_steps=40,
-            callbacks=[FinalWeights(path)],
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            logger=False,
-            enable_checkpointing=False,
-        )
+        trainer = _two_rank_trainer(strategy, 40, [FinalWeights(path)])
         torch.manual_seed(0)  # the same initial weights for both runs
         trainer.fit(MLPModule("adamw"))
         weights[name] = torch.load(path, weights_only=True)
