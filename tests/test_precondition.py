@@ -188,15 +188,22 @@ def _strategy_beside(optimizer: str, **kwargs):
 
 def test_lgc_beside_adam_keeps_a_denser_support_unless_told_otherwise():
     codec = _strategy_beside("adamw", codec="lgc")
-    assert (codec.options.ratio, codec.harness.dense_dtype, codec.harness.dense_layers) == (0.07, "bfloat16", ("none",))
-    assert codec.config()["ratio"] == 0.07 and codec.config()["dense_dtype"] == "bfloat16"
+    assert (codec.options.ratio, codec.harness.dense_dtype, codec.harness.dense_layers) == (0.14, "bfloat16", ("none",))
+    assert codec.config()["ratio"] == 0.14 and codec.config()["dense_dtype"] == "bfloat16"
+    assert codec.options.light_ratio == 0.5  # the light steps keep half of each layer
     assert codec.options.max_recon_error == 0.35  # the guard's threshold for 2-bit levels at 7 %
     assert codec.options.support == "union"  # every rank names its share of the support
     # the union is for the 2-bit levels: a support the user chose, or the autoencoder's code (which
     # decodes the leader's support), keeps the leader's
     for given in ({"support": "leader"}, {"code": "autoencoder"}):
         codec = _strategy_beside("adamw", codec="lgc", codec_options=given)
-        assert (codec.options.ratio, codec.options.support) == (0.07, "leader")
+        assert (codec.options.ratio, codec.options.light_ratio, codec.options.support) == (0.14, 0.5, "leader")
+    # the light level is never below the support: a user's support above the default light level
+    # keeps its own light level, a user's light level below the default support caps the support
+    codec = _strategy_beside("adamw", codec="lgc", codec_options={"ratio": 0.6})
+    assert (codec.options.ratio, codec.options.light_ratio) == (0.6, None)
+    codec = _strategy_beside("adamw", codec="lgc", codec_options={"light_ratio": 0.08})
+    assert (codec.options.ratio, codec.options.light_ratio) == (0.08, 0.08)
     codec = _strategy_beside("sgd", codec="lgc")  # lgc's dense layers go in bfloat16 with any optimizer
     sgd = (codec.options.ratio, codec.harness.dense_dtype, codec.harness.dense_layers)
     assert sgd == (0.0075, "bfloat16", ("auto",)) and codec.options.max_recon_error == 0.3
@@ -266,6 +273,11 @@ def test_a_resumed_run_takes_what_its_checkpoint_took_beside_adam_and_names_opti
     recorded["options"]["max_recon_error"] = 0.35
     strategy = _set_up_beside("adamw", codec="lgc", resumed_from={"optimizer_defaults": recorded})
     assert strategy.codec.options.support == "leader"
+    # and one that took the union at 7 % resumes there, its light steps at the plain 25 %
+    recorded["options"]["support"] = "union"
+    strategy = _set_up_beside("adamw", codec="lgc", resumed_from={"optimizer_defaults": recorded})
+    options = strategy.codec.options
+    assert (options.ratio, options.support, options.light_ratio) == (0.07, "union", None)
     # an earlier version's checkpoint records only its options: their values, the default rule
     saved = {"options": {**make_codec("lgc").config(), "ratio": 0.03}}
     strategy = _set_up_beside("adamw", codec="lgc", resumed_from=saved)

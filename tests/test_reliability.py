@@ -63,7 +63,7 @@ def test_nonfinite_gradient_skips_the_step_on_every_rank(nonfinite_results, i) -
     for r, out in enumerate(ranks):
         assert out["error"] is None, out.get("message")
         if NONFINITE_RUNS[i]["codec"] == "lgc":  # the bad step is a coded one, after the levels' fit
-            assert out["codec_config"]["support"] == "union" and out["codec_config"]["ratio"] == 0.07
+            assert out["codec_config"]["support"] == "union" and out["codec_config"]["ratio"] == 0.14
             assert [row["stage"] for row in out["rows"]] == [1, 1, 2, 3, 3, 3, 3]
         rows = out["rows"]  # rows[s] is the state after optimizer step s
         assert len(rows) == 7
@@ -292,8 +292,10 @@ PREVIOUS_OPTIONS = {"lgc": {"dense_dtype": "float32", "ratio": 0.01}}
 # end layers compressed, the guard at 0.35 and the controller's peak rule there, it took a 3 %
 # support alone
 PREVIOUS_ADAMW = HERE / "data" / "checkpoints_ee6e149" / "lgc_adamw.ckpt"
-# what that version ran with beside AdamW (a leader's support, which a support given keeps)
+# what that version ran with beside AdamW (a leader's support, which a support given keeps, and
+# the plain light level, ten times the support up to 25 %: None given keeps it)
 PREVIOUS_ADAMW_OPTIONS = {"ratio": 0.03, "dense_layers": "auto", "max_recon_error": 0.3, "support": "leader"}
+PREVIOUS_ADAMW_OPTIONS["light_ratio"] = None
 
 
 def _previous_options(codec: str) -> dict:
@@ -465,11 +467,12 @@ def test_lgc_beside_adamw_resumes_like_an_uninterrupted_run(resume_results) -> N
     assert saved["gradcomp"]["codec"] == "lgc" and saved["gradcomp"]["shared"]["step"] == CUT
     assert any("AdaptiveCompression" in key for key in saved["callbacks"])  # the controller came along
     options = saved["gradcomp"]["options"]  # the defaults beside Adam, the end layer compressed too
-    assert options["ratio"] == 0.07 and tuple(options["dense_layers"]) == ("none",)
+    assert options["ratio"] == 0.14 and tuple(options["dense_layers"]) == ("none",)
+    assert options["light_ratio"] == 0.5
     assert "residual.body.4.weight" in saved["gradcomp"]["ranks"][0]
     # and what the run took there, which a resumed run takes again
     recorded = saved["gradcomp"]["optimizer_defaults"]
-    taken = {"ratio": 0.07, "dense_layers": ["none"], "max_recon_error": 0.35, "support": "union"}
+    taken = {"ratio": 0.14, "dense_layers": ["none"], "max_recon_error": 0.35, "support": "union", "light_ratio": 0.5}
     assert recorded == {"options": taken, "controller": {"lr_reference": "peak"}}
     _assert_continues_exactly(full, resumed, "lgc")
 

@@ -267,8 +267,9 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             others', and the run-time guard passes a layer only where every rank's named values
             pass it. Beside an Adam-like optimizer ``CompressedDDPStrategy`` sets ``"union"``
             unless told otherwise: on PSPNet/CamVid beside AdamW it ended level with the leader's
-            support over eight seeds (-0.09 mIoU) at 16 % fewer bytes (docs/codecs/lgc.md,
-            "Beside Adam: a union support").
+            support over eight seeds (-0.09 mIoU) at 16 % fewer bytes, and with ``ratio=0.14`` and
+            ``light_ratio=0.5`` (the defaults there) +0.96 above it (docs/codecs/lgc.md, "Beside
+            Adam: a union support").
         light_ratio: the support's fraction at compression level 0, the level controller's light
             steps; ``None`` (default): ten times ``ratio``, at most 0.25 (``ratio`` itself when it is
             larger: the light level is never sparser than the heavy one). At 1.0 the light steps
@@ -276,8 +277,11 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             guard passes the code (on PSPNet/CamVid the 2-bit levels missed its 0.35 on whole
             layers, so those steps went exactly): no coordinate waits for its turn there. Denser
             light steps closed the early gap to plain all-reduce beside AdamW but not the final
-            one, and none at all cost 1.6 points (docs/codecs/lgc.md, "Beside Adam: light steps
-            denser than 25 % do not pay").
+            one on the leader's support, and none at all cost 1.6 points (docs/codecs/lgc.md,
+            "Beside Adam: light steps denser than 25 % do not pay"); on a union support at 14 %
+            light steps at 0.5 did close most of it, so beside an Adam-like optimizer
+            ``CompressedDDPStrategy`` sets 0.5 unless told otherwise ("Beside Adam: a union
+            support").
         innovation_ratio: ``"ps"`` only: fraction of each layer's entries sent as innovation
             (SOFF's rho_i: 1e-5); must be below ``ratio``.
         latent_channels: AE code channels; the code is ``latent_channels / 16`` of the kept values
@@ -349,20 +353,34 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
     # PSPNet/CamVid, AdamW, seeds 0-7: -0.09 mIoU against the leader's support (standard error
     # 0.31), for 16 % fewer bytes, a fully coded heavy step 74-77x smaller than fp32 (53x), and
     # the code carrying 99.8 % of the values (98.9 %) (docs/codecs/lgc.md, "Beside Adam")
+    # On that union a 14 % support (each rank naming 7 %) with light steps at half of each layer
+    # (each rank naming a quarter) reaches the coordinates that each rank's own top-k reaches:
+    # PSPNet/CamVid, AdamW, seeds 0-7: -1.33 mIoU against none (standard error 0.27), +1.05
+    # against the union at 7 % with 25 % light steps (0.33), for 56 % more bytes and a heavy step
+    # 44-46x smaller than fp32 (74-77x); neither change alone gained (docs/codecs/lgc.md,
+    # "Beside Adam: a union support")
     adaptive_optimizer_defaults = {
-        "ratio": 0.07,
         "dense_layers": "none",
         "max_recon_error": 0.35,
         "support": "union",
+        "ratio": 0.14,
+        "light_ratio": 0.5,
     }
     adaptive_optimizer_controller = {"lr_reference": "peak"}
 
     def optimizer_defaults(self) -> dict[str, Any]:
         """The union support is for the 2-bit levels: beside the autoencoder's code, which decodes
-        the leader's support, the leader's stays."""
+        the leader's support, the leader's stays. The light level is never below the support:
+        a user's ``ratio`` above the default light level keeps its own light level, and a user's
+        ``light_ratio`` below the default support caps the support at it."""
         defaults = dict(self.adaptive_optimizer_defaults)
         if self.options.code != "levels":
             del defaults["support"]
+        if self.options.ratio > defaults["light_ratio"]:
+            del defaults["light_ratio"]
+        light = self.options.light_ratio
+        if light is not None and light < defaults["ratio"]:
+            defaults["ratio"] = light
         return defaults
 
     def __init__(self, **options: Any) -> None:
