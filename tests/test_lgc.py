@@ -474,8 +474,13 @@ def test_lgc_beside_adamw_runs_its_defaults_as_written_out(tmp_path):
 
     from lightning_gradcomp import CompressedDDPStrategy
 
-    written_out = {"ratio": 0.14, "light_ratio": 0.5, "dense_layers": "none", "max_recon_error": 0.35}
-    written_out["support"] = "union"
+    written_out = {
+        "ratio": 0.14,
+        "light_ratio": 0.5,
+        "dense_layers": "none",
+        "max_recon_error": 0.35,
+        "support": "union",
+    }
     runs = [("defaults", {}, None), ("written", written_out, {"lr_reference": "peak"})]
     runs.append(("leader", {"support": "leader"}, None))  # the previous version's support, given
     weights = {}

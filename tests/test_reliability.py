@@ -294,8 +294,13 @@ PREVIOUS_OPTIONS = {"lgc": {"dense_dtype": "float32", "ratio": 0.01}}
 PREVIOUS_ADAMW = HERE / "data" / "checkpoints_ee6e149" / "lgc_adamw.ckpt"
 # what that version ran with beside AdamW (a leader's support, which a support given keeps, and
 # the plain light level, ten times the support up to 25 %: None given keeps it)
-PREVIOUS_ADAMW_OPTIONS = {"ratio": 0.03, "dense_layers": "auto", "max_recon_error": 0.3, "support": "leader"}
-PREVIOUS_ADAMW_OPTIONS["light_ratio"] = None
+PREVIOUS_ADAMW_OPTIONS = {
+    "ratio": 0.03,
+    "dense_layers": "auto",
+    "max_recon_error": 0.3,
+    "support": "leader",
+    "light_ratio": None,
+}
 
 
 def _previous_options(codec: str) -> dict:
