@@ -290,8 +290,9 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             steps), where stage 2 ran denser and fitted it levels of its own; ``None`` (default):
             ``code_bits``. At 50 % of a layer the values are spread like the whole gradient, and
             two magnitude levels reconstruct some layers with an error above the guard's, which
-            then travel exactly (32 bits a value); three bits (four levels) halve the error of
-            two on such a spread. The number of levels is fixed at the switch: a refit keeps it,
+            then travel exactly (32 bits a value); three bits (four levels) cut that error to 0.54-0.56
+            of two's on a Gaussian, a Laplacian and a cubed Gaussian spread (0.34 to 0.19, 0.42 to
+            0.23, 0.57 to 0.32). The number of levels is fixed at the switch: a refit keeps it,
             and a resumed run goes on with the levels its checkpoint holds.
         innovation_ratio: ``"ps"`` only: fraction of each layer's entries sent as innovation
             (SOFF's rho_i: 1e-5); must be below ``ratio``.
