@@ -46,10 +46,11 @@ def test_message_round_trip_decodes_to_the_nearest_level_with_the_sign(bits):
     g = torch.Generator().manual_seed(bits)
     v = torch.randn(1001, generator=g)
     lv = levels.fit_levels(levels.relative_magnitudes(v), 2 ** (bits - 1))
-    message, decoded = levels.encode(v, lv, bits)
+    assert levels.table_bits(lv) == bits
+    message, decoded = levels.encode(v, lv)
     assert sum(t.numel() * t.element_size() for t in message) == levels.message_nbytes(1001, bits)
     assert message[1].numel() == codes_nbytes(1001, bits)
-    assert torch.equal(levels.decode(message, lv, bits, 1001), decoded)
+    assert torch.equal(levels.decode(message, lv, 1001), decoded)
     assert torch.equal(decoded.sign(), v.sign())
     rms = v.pow(2).mean().sqrt()
     nearest = lv[(v.abs().unsqueeze(1) / rms - lv).abs().argmin(1)] * rms
@@ -150,6 +151,8 @@ def test_checkpoint_whose_autoencoder_carried_layers_names_the_code_to_resume_wi
     [
         (dict(code="pca"), "code must be one of"),
         (dict(code_bits=0), "code_bits must be an integer"),
+        (dict(light_code_bits=9), "light_code_bits must be an integer"),
+        (dict(light_code_bits=2.5), "light_code_bits must be an integer"),
         (dict(refit_every=-1), "refit_every"),
         (dict(code_denser="no"), "code_denser must be True or False"),
         (dict(support="all"), "support must be one of"),
@@ -237,14 +240,16 @@ def _train_levels(
     }
 
 
-def _expected_stage3_wire(world: int) -> float:
+def _expected_stage3_wire(world: int, fraction: float = RATIO, bits: int = 2) -> float:
+    """Bytes of a stage-3 step whose every layer the code carries, on a support of ``fraction``
+    of each layer in ``bits`` bits a value."""
     sizes = [p.numel() for p in _mlp().parameters() if p.numel() >= 1000]
     dense = sum(p.numel() for p in _mlp().parameters() if p.numel() < 1000)
-    ks = [math.ceil(RATIO * n) for n in sizes]
+    ks = [math.ceil(fraction * n) for n in sizes]
     positions = sum(encoded_nbytes(choose_encoding("auto", k, n), k, n) for k, n in zip(ks, sizes))
     broadcast = positions + 4 * len(ks)  # positions and one guard flag a layer
     # the dense layers in bfloat16 (lgc's default), the non-finite flag in fp32
-    return broadcast + (world - 1) * (sum(levels.message_nbytes(k, 2) for k in ks) + 2 * dense + 4)
+    return broadcast + (world - 1) * (sum(levels.message_nbytes(k, bits) for k in ks) + 2 * dense + 4)
 
 
 def _assert_every_layer_coded_on_identical_ranks(r: dict) -> None:
@@ -327,6 +332,45 @@ def test_denser_samples_are_cut_to_the_configured_support_and_fit_levels_of_thei
     assert e._levels_denser == {} and torch.equal(e._levels_for("w", light_k, 3000), heavy)
 
 
+def test_light_code_bits_fit_the_denser_support_more_levels_and_keep_their_number():
+    """``light_code_bits=3``: the denser support's levels are four magnitudes, fitted to the same
+    samples as the two-level ones would be, with a lower error on a wide spread; the configured
+    support keeps ``code_bits``. A refit, a checkpoint and the bytes a layer costs all follow the
+    number of levels the table holds."""
+    g = torch.Generator().manual_seed(0)
+    light_k = math.ceil(0.25 * 3000)
+
+    def fitted(**opts):
+        c = LGCCodec(ratio=RATIO, **opts)
+        c.set_level(0.0)
+        assert c.k_for(3000) == light_k
+        for step in range(16):  # a wide, heavy-tailed spread of magnitudes, as at 50 % of a layer
+            c._samples.append(("w", step, step % 2, 3000, torch.randn(2, light_k, generator=g).pow(3)))
+        c.train_autoencoder()
+        return c
+
+    two, three = fitted(), fitted(light_code_bits=3)
+    assert two.denser_code_bits == 2 and three.denser_code_bits == 3
+    assert three._levels["w"].shape == (2, 2) and three._levels_denser["w"].shape == (2, 4)
+    assert three._code_nbytes("w", light_k, 3000) == levels.message_nbytes(light_k, 3)
+    assert three._code_nbytes("w", math.ceil(RATIO * 3000), 3000) == levels.message_nbytes(300, 2)
+    v = torch.randn(light_k, generator=g).pow(3)
+
+    def error(c):
+        _, decoded = levels.encode(v, c._levels_for("w", light_k, 3000, levels.LEADER))
+        return float((decoded - v).norm() / v.norm())
+
+    assert error(three) < 0.75 * error(two)
+    for step in range(three.ae_start_step, three.ae_start_step + 4):  # a refit keeps four levels
+        three._keep_for_refit("w", step, torch.randn(light_k, generator=g).pow(3), denser=True)
+    before = three._levels_denser["w"].clone()
+    three.refit_levels()
+    assert three._levels_denser["w"].shape == (2, 4) and not torch.equal(three._levels_denser["w"], before)
+    resumed = LGCCodec(ratio=RATIO)  # the checkpoint's levels decide, not the resuming option
+    resumed.load_state_dict(three.state_dict())
+    assert resumed.denser_code_bits == 3 and resumed.ae_digest() == three.ae_digest()
+
+
 def test_levels_fitted_on_a_denser_stage_2_carry_the_configured_support_on_two_ranks():
     """The controller's case: stage 2 wholly at the light level. The code still carries every layer
     at the configured level, and a later light step uses the denser support's levels, identically
@@ -351,6 +395,23 @@ def test_levels_fitted_on_a_denser_stage_2_carry_the_configured_support_on_two_r
             f"over the run it carried 100 % of {2 * support:,} at the configured support "
             f"and 100 % of {denser:,} at the denser support"
         )
+
+
+def test_light_code_bits_send_the_denser_steps_in_three_bits_on_two_ranks():
+    """``light_code_bits=3`` beside the controller's case: the configured steps still travel in two
+    bits a value, the denser last step in three, every rank identical and the error feedback
+    exact."""
+    res = run_gloo(_train_levels, world_size=2, args=(True, 0, STAGE3, True, {"light_code_bits": 3}), timeout=300)
+    assert res[0]["digest"] == res[1]["digest"] and len(res[0]["layers"]) == 3
+    for r in res:
+        rows = r["rows"]
+        assert all(row["identical"] for row in rows)
+        for row in rows[WARMUP + COLLECT :]:
+            assert row["used"] == (3, 3)
+            assert row["err_sq"] == pytest.approx(row["residual_sq"], rel=1e-6)
+        assert rows[-2]["wire"] == pytest.approx(_expected_stage3_wire(2))
+        assert rows[-1]["wire"] == pytest.approx(_expected_stage3_wire(2, 0.25, 3))
+        assert "2-bit levels (3-bit at the denser support) carried 3 of 3 layer(s)" in r["summary"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -91,11 +91,10 @@ class AutoencoderWarmup(ScheduleOverride):
             )
         used, eligible = codec.ae_layers_used
         carried, support, code_bytes = codec.values_used
-        name = (
-            f"{codec.options.code_bits}-bit levels"
-            if codec.options.code == "levels"
-            else f"autoencoder ({codec.options.variant})"
-        )
+        name = f"autoencoder ({codec.options.variant})"
+        if codec.options.code == "levels":
+            bits, light = codec.options.code_bits, codec.denser_code_bits
+            name = f"{bits}-bit levels" + (f" ({light}-bit at the denser support)" if light not in (None, bits) else "")
         if used:
             how = (
                 f"the {name} carried {used} of {eligible} layer(s) at the last step, {carried:,} of the "

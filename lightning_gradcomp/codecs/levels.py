@@ -51,6 +51,7 @@ __all__ = [
     "role",
     "role_parts",
     "split_held_out",
+    "table_bits",
 ]
 
 #: the rows of a layer's levels: the leader's message, and every other rank's
@@ -141,16 +142,23 @@ def dequantize(rms: Tensor, codes: Tensor, levels: Tensor) -> Tensor:
     return torch.where((codes >> width) > 0, -magnitude, magnitude)
 
 
-def encode(values: Tensor, levels: Tensor, bits: int) -> tuple[list[Tensor], Tensor]:
-    """``([r, packed codes], decoded values)``: the message and what it decodes to."""
+def table_bits(levels: Tensor) -> int:
+    """Bits a value takes on ``levels`` (its last dimension, ``2^(bits-1)`` magnitudes): one sign
+    bit and ``bits - 1`` of magnitude."""
+    return levels.shape[-1].bit_length()
+
+
+def encode(values: Tensor, levels: Tensor) -> tuple[list[Tensor], Tensor]:
+    """``([r, packed codes], decoded values)``: the message and what it decodes to, in
+    :func:`table_bits` bits a value."""
     rms, codes = quantize(values, levels)
-    return [rms, pack_codes(codes, bits)], dequantize(rms, codes, levels)
+    return [rms, pack_codes(codes, table_bits(levels))], dequantize(rms, codes, levels)
 
 
-def decode(message: list[Tensor], levels: Tensor, bits: int, n: int) -> Tensor:
+def decode(message: list[Tensor], levels: Tensor, n: int) -> Tensor:
     """The ``n`` values of a message of :func:`encode`."""
     rms, packed = message
-    return dequantize(rms.float(), unpack_codes(packed, bits, n), levels)
+    return dequantize(rms.float(), unpack_codes(packed, table_bits(levels), n), levels)
 
 
 def message_nbytes(n: int, bits: int) -> int:

@@ -148,6 +148,7 @@ class LGCOptions(CodecOptions):
     ratio: float = 7.5e-3
     support: str = "leader"
     light_ratio: float | None = None
+    light_code_bits: int | None = None
     density_warmup: int | float = 0
     density_warmup_start: float = 0.25
     innovation_ratio: float = 1e-5
@@ -168,11 +169,14 @@ class LGCOptions(CodecOptions):
 
     def check(self) -> None:
         check_choice("code", self.code, CODES)
-        bits = self.code_bits
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-            raise ValueError(
-                f"code_bits must be an integer in [1, 8] (a sign bit and code_bits - 1 of magnitude), got {bits!r}"
-            )
+        for name in ("code_bits", "light_code_bits"):
+            bits = getattr(self, name)
+            if name == "light_code_bits" and bits is None:
+                continue
+            if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+                raise ValueError(
+                    f"{name} must be an integer in [1, 8] (a sign bit and {name} - 1 of magnitude), got {bits!r}"
+                )
         check_choice("variant", self.variant, VARIANTS)
         check_choice("support", self.support, SUPPORTS)
         if self.support == "union" and self.code != "levels":
@@ -282,6 +286,14 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             light steps at 0.5 did close most of it, so beside an Adam-like optimizer
             ``CompressedDDPStrategy`` sets 0.5 unless told otherwise ("Beside Adam: a union
             support").
+        light_code_bits: ``"levels"``: bits a value on a support denser than ``ratio`` (the light
+            steps), where stage 2 ran denser and fitted it levels of its own; ``None`` (default):
+            ``code_bits``. At 50 % of a layer the values are spread like the whole gradient, and
+            two magnitude levels reconstruct some layers with an error above the guard's, which
+            then travel exactly (32 bits a value); three bits (four levels) cut that error to 0.54-0.56
+            of two's on a Gaussian, a Laplacian and a cubed Gaussian spread (0.34 to 0.19, 0.42 to
+            0.23, 0.57 to 0.32). The number of levels is fixed at the switch: a refit keeps it,
+            and a resumed run goes on with the levels its checkpoint holds.
         innovation_ratio: ``"ps"`` only: fraction of each layer's entries sent as innovation
             (SOFF's rho_i: 1e-5); must be below ``ratio``.
         latent_channels: AE code channels; the code is ``latent_channels / 16`` of the kept values
@@ -586,7 +598,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 if a and not ae:
                     # the run-time guard: the leader's own values through the code, this step
                     v = x[idx]
-                    own_codes[i] = levels.encode(v, self._levels_for(key, k, n, levels.LEADER), self.options.code_bits)
+                    own_codes[i] = levels.encode(v, self._levels_for(key, k, n, levels.LEADER))
                     flags.append(self._within_gate(v, own_codes[i][1]))
                 elif a:
                     v = x[idx]
@@ -634,7 +646,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 if ps:
                     z = latents[off_z : off_z + nl].view(1, self.ae.latent_channels, -1) if coded else None
                     off_z += nl
-            self._count_layer(step, stage, k, n, k, a, coded, self._code_nbytes(k, n) if coded else 0)
+            self._count_layer(step, stage, k, n, k, a, coded, self._code_nbytes(key, k, n) if coded else 0)
             shared[key] = _Shared(idx, s, z, coded, own_codes[i])
         self.last_timing["prepare_s"] = time.perf_counter() - t0
         return Prepared(nbytes, shared)
@@ -669,7 +681,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             parts.append(encode_positions(idx, n, e))
             if a:
                 v = x[idx]
-                own_codes[i] = levels.encode(v, self._levels_for(key, k, n, levels.LEADER), self.options.code_bits)
+                own_codes[i] = levels.encode(v, self._levels_for(key, k, n, levels.LEADER))
                 flags.append(self._within_gate(v, own_codes[i][1]))
         head = [torch.stack(flags).to(torch.float32).view(torch.uint8)] if flags else []
         msg = torch.cat(head + parts) if nbytes else torch.empty(0, dtype=torch.uint8, device=device)
@@ -691,9 +703,11 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             if a:
                 coded = passed[off_f] > 0.5
                 off_f += 1
-            u, bits = support.numel(), self.options.code_bits
-            sent = levels.message_nbytes(m, bits) + (levels.message_nbytes(u - m, bits) if u > m else 0)
-            self._count_layer(step, stage, k, n, u, a, coded, sent if coded else 0)
+            u, sent = support.numel(), 0
+            if coded:
+                bits = levels.table_bits(self._levels_for(key, k, n))
+                sent = levels.message_nbytes(m, bits) + (levels.message_nbytes(u - m, bits) if u > m else 0)
+            self._count_layer(step, stage, k, n, u, a, coded, sent)
             shared[key] = _Shared(support, 1.0, None, coded, own_codes[i], named, k)
         self.last_timing["prepare_s"] = time.perf_counter() - t0
         return Prepared(nbytes, shared, collective="allgather")
@@ -718,10 +732,10 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             tally[0] += values if coded else 0
             tally[1] += values
 
-    def _code_nbytes(self, k: int, numel: int) -> int:
+    def _code_nbytes(self, key: str, k: int, numel: int) -> int:
         """Bytes a rank sends for a layer of ``k`` support values that the learned code carries."""
         if not self.uses_autoencoder:
-            return levels.message_nbytes(k, self.options.code_bits)
+            return levels.message_nbytes(k, levels.table_bits(self._levels_for(key, k, numel)))
         if self.options.variant == "rar":
             return 4 * self.ae.latent_channels * GradientAutoencoder.latent_len(k)
         return 8 * self.innovation_k(numel)
@@ -768,7 +782,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             message, rec = (
                 own_code
                 if own_code is not None
-                else levels.encode(v, self._levels_for(key, k, x.numel(), self._role(step)), self.options.code_bits)
+                else levels.encode(v, self._levels_for(key, k, x.numel(), self._role(step)))
             )
             local[idx] = rec
             return EncodeResult(message, local=local, ctx=ctx)
@@ -813,9 +827,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         decoded[mine] = rec
         rest = v[~mine]
         if rest.numel():  # else every rank named the same positions: nothing else to send
-            other_message, decoded[~mine] = levels.encode(
-                rest, self._levels_for(key, k, x.numel(), levels.OTHERS), self.options.code_bits
-            )
+            other_message, decoded[~mine] = levels.encode(rest, self._levels_for(key, k, x.numel(), levels.OTHERS))
             message = message + other_message
         local[idx] = decoded
         return EncodeResult(message, local=local, ctx=ctx)
@@ -825,15 +837,15 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         layer (:meth:`_encode_union`)."""
         idx, named = ctx.support, ctx.named
         out = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
-        table, bits = self._levels_for(ctx.key, ctx.size, numel), self.options.code_bits
+        table = self._levels_for(ctx.key, ctx.size, numel)
         total = torch.zeros(idx.numel(), dtype=torch.float32, device=out.device)
         for r, p in enumerate(payloads):
             mine = named[r]
             m = int(mine.sum())
             decoded = torch.empty_like(total)
-            decoded[mine] = levels.decode(p[0:2], table[levels.LEADER], bits, m)
+            decoded[mine] = levels.decode(p[0:2], table[levels.LEADER], m)
             if m < idx.numel():
-                decoded[~mine] = levels.decode(p[2:4], table[levels.OTHERS], bits, idx.numel() - m)
+                decoded[~mine] = levels.decode(p[2:4], table[levels.OTHERS], idx.numel() - m)
             total += decoded
         out[idx] = total
         return out
@@ -865,8 +877,8 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         if ctx.named is not None:
             return self._aggregate_union(payloads, ctx, numel)
         if not self.uses_autoencoder:  # every rank's levels message, decoded and summed
-            table, bits, leader = self._levels_for(key, k, numel), self.options.code_bits, step % len(payloads)
-            decoded = [levels.decode(p, table[levels.role(r, leader)], bits, k) for r, p in enumerate(payloads)]
+            table, leader = self._levels_for(key, k, numel), step % len(payloads)
+            decoded = [levels.decode(p, table[levels.role(r, leader)], k) for r, p in enumerate(payloads)]
             out[idx] = torch.stack(decoded).sum(0)
             return out
         u = torch.zeros(len(payloads), k, dtype=torch.float32, device=out.device)

@@ -106,6 +106,13 @@ class LearnedCode:
         return {name: (c, n) for name, (c, n) in self._values_run.items()}
 
     @property
+    def denser_code_bits(self) -> int | None:
+        """Bits a value on the denser support's levels (``light_code_bits`` at the switch, or what
+        a checkpoint holds); None where the denser support has no levels of its own."""
+        table = next(iter(self._levels_denser.values()), None)
+        return None if table is None else levels.table_bits(table)
+
+    @property
     def refits(self) -> int:
         """How many times the levels were fitted again after the switch (``refit_every``)."""
         return self._refits
@@ -159,30 +166,33 @@ class LearnedCode:
         if not keys:
             return
         device = self._device()
-        count = 2 ** (self.options.code_bits - 1)
-        # [configured, denser] x layer x role x level, and each layer's held-out error (NaN: none)
-        fitted = torch.stack(
-            [
-                torch.stack([self._levels[k] for k in keys]),
-                torch.stack([self._levels_denser.get(k, self._levels[k]) for k in keys]),
-            ]
-        ).to(device=device, dtype=torch.float32)
+        dense_keys = sorted(self._levels_denser)  # all of keys, or none
+        # layer x role x level, at the configured support and at the denser one, each with the
+        # number of levels it was fitted with at the switch (the denser one's may have more)
+        fitted = [
+            torch.stack([self._levels[k] for k in keys]).to(device=device, dtype=torch.float32),
+            torch.stack([self._levels_denser[k] for k in dense_keys]).to(device=device, dtype=torch.float32)
+            if dense_keys
+            else None,
+        ]
         errors = torch.full((len(keys),), float("nan"), dtype=torch.float32, device=device)
         if self.rank == 0:
             with self._samples_lock:
                 samples, self._refit_samples = self._refit_samples, []
-            for i, key in enumerate(keys):
-                for which in (0, 1) if key in self._levels_denser else (0,):
+            for which, table in enumerate(fitted):
+                for i, key in enumerate(keys if which == 0 else dense_keys):
                     mine = [smp for smp in samples if smp[0] == key and smp[3] == bool(which)]
-                    error = levels.refit_rows(mine, fitted[which, i], count, self.options.seed + i)
+                    error = levels.refit_rows(mine, table[i], table.shape[-1], self.options.seed + i)
                     if which == 0 and error is not None:
                         errors[i] = error
         if self.world_size > 1:
-            self.context.broadcast(fitted, 0)
+            for table in fitted:
+                if table is not None:
+                    self.context.broadcast(table, 0)
             self.context.broadcast(errors, 0)
-        self._levels = {k: fitted[0, i].clone() for i, k in enumerate(keys)}
-        if self._levels_denser:
-            self._levels_denser = {k: fitted[1, i].clone() for i, k in enumerate(keys) if k in self._levels_denser}
+        self._levels = {k: fitted[0][i].clone() for i, k in enumerate(keys)}
+        if fitted[1] is not None:
+            self._levels_denser = {k: fitted[1][i].clone() for i, k in enumerate(dense_keys)}
         if self.world_size > 1:
             self.context.agree(self.ae_digest(), "lgc: the refitted levels differ between ranks after the broadcast")
         for key, error in zip(keys, errors.tolist()):  # once a refit, not per step
@@ -208,15 +218,17 @@ class LearnedCode:
         device = self._device()
         stats = torch.zeros(2 + len(keys), dtype=torch.float64, device=device)
         count = 2 ** (self.options.code_bits - 1)
-        # the levels (each layer's leader's and others') of the configured support, those of a
-        # denser one, and in the last row whether the latter exist
-        fitted = torch.ones(2, len(keys) + 1, 2, count, dtype=torch.float32, device=device)
-        fitted[1, -1] = 0.0
+        light_bits = self.options.light_code_bits or self.options.code_bits
+        # the levels (each layer's leader's and others') of the configured support; those of a
+        # denser one, with ``light_code_bits``, and in their last row whether they exist
+        fitted = torch.ones(len(keys), 2, count, dtype=torch.float32, device=device)
+        fitted_denser = torch.ones(len(keys) + 1, 2, 2 ** (light_bits - 1), dtype=torch.float32, device=device)
+        fitted_denser[-1] = 0.0
         if self.rank == 0:
             if self.uses_autoencoder:
                 loss, per_layer = self._fit()
             else:
-                loss, per_layer = self._fit_levels(keys, fitted)
+                loss, per_layer = self._fit_levels(keys, fitted, fitted_denser)
             errors = [per_layer.get(k, (0.0, 0.0)) for k in keys]
             err, ref = sum(e for e, _ in errors), sum(r for _, r in errors)
             stats[0], stats[1] = loss, (math.sqrt(err / ref) if ref > 0 else float("nan"))
@@ -229,11 +241,12 @@ class LearnedCode:
                 nn.utils.vector_to_parameters(flat, self.ae.parameters())
             else:
                 self.context.broadcast(fitted, 0)
+                self.context.broadcast(fitted_denser, 0)
             self.context.broadcast(stats, 0)
         if not self.uses_autoencoder:
-            self._levels = {k: fitted[0, i].clone() for i, k in enumerate(keys)}
-            has_denser = bool(fitted[1, -1, 0, 0] > 0.5)  # once, at the switch
-            self._levels_denser = {k: fitted[1, i].clone() for i, k in enumerate(keys)} if has_denser else {}
+            self._levels = {k: fitted[i].clone() for i, k in enumerate(keys)}
+            has_denser = bool(fitted_denser[-1, 0, 0] > 0.5)  # once, at the switch
+            self._levels_denser = {k: fitted_denser[i].clone() for i, k in enumerate(keys)} if has_denser else {}
         if self.world_size > 1:
             self.context.agree(self.ae_digest(), "lgc: the learned code differs between ranks after the broadcast")
         self.ae.requires_grad_(False)
@@ -304,19 +317,21 @@ class LearnedCode:
         """This rank's row of the levels at ``step``: the leader's, or the others'."""
         return levels.role(self.rank, step % self.world_size)
 
-    def _fit_levels(self, keys: list[str], fitted: Tensor) -> tuple[float, dict[str, tuple[float, float]]]:
-        """Fit ``fitted[0]`` to the configured support's samples (their held-out error is the gate)
-        and, when stage 2 ran a denser support on at least two steps, ``fitted[1]`` to those; the
-        last row of ``fitted[1]`` is set to 1 when it was fitted."""
+    def _fit_levels(
+        self, keys: list[str], fitted: Tensor, fitted_denser: Tensor
+    ) -> tuple[float, dict[str, tuple[float, float]]]:
+        """Fit ``fitted`` to the configured support's samples (their held-out error is the gate)
+        and, when stage 2 ran a denser support on at least two steps, ``fitted_denser`` to those;
+        its last row is set to 1 when it was fitted."""
         configured, denser = self._samples_by_support()
         if not configured:
             return float("nan"), {}
         train, val = self._split_samples(configured)
-        loss, per_layer = levels.fit_layers(train, val, keys, fitted[0], self.options.seed)
+        loss, per_layer = levels.fit_layers(train, val, keys, fitted, self.options.seed)
         if len({s[1] for s in denser}) >= 2:
             d_train, d_val = self._split_samples(denser)
-            levels.fit_layers(d_train, d_val, keys, fitted[1, :-1], self.options.seed)
-            fitted[1, -1] = 1.0
+            levels.fit_layers(d_train, d_val, keys, fitted_denser[:-1], self.options.seed)
+            fitted_denser[-1] = 1.0
         return loss, per_layer
 
     def _fit(self) -> tuple[float, dict[str, tuple[float, float]]]:
