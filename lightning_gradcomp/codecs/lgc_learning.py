@@ -166,33 +166,30 @@ class LearnedCode:
         if not keys:
             return
         device = self._device()
-        dense_keys = sorted(self._levels_denser)  # all of keys, or none
-        # layer x role x level, at the configured support and at the denser one, each with the
-        # number of levels it was fitted with at the switch (the denser one's may have more)
-        fitted = [
-            torch.stack([self._levels[k] for k in keys]).to(device=device, dtype=torch.float32),
-            torch.stack([self._levels_denser[k] for k in dense_keys]).to(device=device, dtype=torch.float32)
-            if dense_keys
-            else None,
-        ]
+        # (layer x role x level, the layers' names) at the configured support and, where it has
+        # levels of its own (all of keys, or none), at the denser one; each table keeps the number
+        # of levels it was fitted with at the switch (the denser one's may have more)
+        supports = [(self._levels, keys)]
+        if self._levels_denser:
+            supports.append((self._levels_denser, sorted(self._levels_denser)))
+        fitted = [torch.stack([t[k] for k in names]).to(device=device, dtype=torch.float32) for t, names in supports]
         errors = torch.full((len(keys),), float("nan"), dtype=torch.float32, device=device)
         if self.rank == 0:
             with self._samples_lock:
                 samples, self._refit_samples = self._refit_samples, []
-            for which, table in enumerate(fitted):
-                for i, key in enumerate(keys if which == 0 else dense_keys):
+            for which, (table, (_, names)) in enumerate(zip(fitted, supports)):
+                for i, key in enumerate(names):
                     mine = [smp for smp in samples if smp[0] == key and smp[3] == bool(which)]
                     error = levels.refit_rows(mine, table[i], table.shape[-1], self.options.seed + i)
                     if which == 0 and error is not None:
                         errors[i] = error
         if self.world_size > 1:
             for table in fitted:
-                if table is not None:
-                    self.context.broadcast(table, 0)
+                self.context.broadcast(table, 0)
             self.context.broadcast(errors, 0)
         self._levels = {k: fitted[0][i].clone() for i, k in enumerate(keys)}
-        if fitted[1] is not None:
-            self._levels_denser = {k: fitted[1][i].clone() for i, k in enumerate(dense_keys)}
+        if len(fitted) > 1:
+            self._levels_denser = {k: fitted[1][i].clone() for i, k in enumerate(supports[1][1])}
         if self.world_size > 1:
             self.context.agree(self.ae_digest(), "lgc: the refitted levels differ between ranks after the broadcast")
         for key, error in zip(keys, errors.tolist()):  # once a refit, not per step
