@@ -11,7 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_gradcomp.codecs.iwp import IWPCodec, importance, root_rank
-from lightning_gradcomp.codecs.positions import choose_encoding, decode_positions, encode_positions, encoded_nbytes
+from lightning_gradcomp.codecs.positions import (
+    choose_encoding,
+    decode_positions,
+    encode_positions,
+    encoded_nbytes,
+    union_of,
+)
 from lightning_gradcomp.codecs.sampling import select_top
 from lightning_gradcomp.comm import wire_bytes
 from lightning_gradcomp.registry import make_codec
@@ -60,6 +66,24 @@ def test_code_sizes_and_auto_choice():
         auto = encoded_nbytes(choose_encoding("auto", kk, n), kk, n)
         assert auto == min(encoded_nbytes("delta", kk, n), encoded_nbytes("bitmap", kk, n))
     assert encoded_nbytes("delta", n, n) == encoded_nbytes("bitmap", n, n) == 0  # all kept: nothing to say
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 2000), st.integers(1, 19), st.integers(0, 2**31 - 1))
+def test_union_of_equals_the_sorted_union_and_its_membership(n, ranks, seed):
+    # lgc's union support: the sorted union of every rank's named set and who named each position
+    g = torch.Generator().manual_seed(seed)
+    names = [
+        torch.randperm(n, generator=g)[: int(torch.randint(0, n + 1, (1,), generator=g))].sort().values
+        for _ in range(ranks)
+    ]
+    support, named = union_of(names, n)
+    expected = torch.unique(torch.cat(names))
+    assert torch.equal(support, expected) and support.dtype == torch.int64
+    assert named.shape == (ranks, expected.numel()) and named.dtype == torch.bool
+    for r, pos in enumerate(names):
+        assert torch.equal(named[r], torch.isin(expected, pos))
+        assert torch.equal(support[named[r]], pos)  # each rank's set, back in its order
 
 
 # --------------------------------------------------------------------------------------------------

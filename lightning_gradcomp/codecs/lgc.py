@@ -93,7 +93,13 @@ from lightning_gradcomp.codecs.base import (
 )
 from lightning_gradcomp.codecs.lgc_autoencoder import GradientAutoencoder
 from lightning_gradcomp.codecs.lgc_learning import LearnedCode
-from lightning_gradcomp.codecs.positions import choose_encoding, decode_positions, encode_positions, encoded_nbytes
+from lightning_gradcomp.codecs.positions import (
+    choose_encoding,
+    decode_positions,
+    encode_positions,
+    encoded_nbytes,
+    union_of,
+)
 from lightning_gradcomp.codecs.powersgd import PowerSGDCodec
 from lightning_gradcomp.codecs.sampling import DensityWarmup, check_density_warmup, keep_count, named_count, select_top
 from lightning_gradcomp.registry import register_codec
@@ -702,8 +708,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 for r in range(world)
             ]
             off_b += b
-            support = torch.unique(torch.cat(names))  # sorted
-            named = torch.stack([torch.isin(support, idx) for idx in names])
+            support, named = union_of(names, n)  # sorted, and who named what
             coded = False
             if a:
                 coded = passed[off_f] > 0.5
