@@ -84,6 +84,9 @@ def test_union_of_equals_the_sorted_union_and_its_membership(n, ranks, seed):
     for r, pos in enumerate(names):
         assert torch.equal(named[r], torch.isin(expected, pos))
         assert torch.equal(support[named[r]], pos)  # each rank's set, back in its order
+    # the order within a set does not matter (lgc's sample cut passes top-k picks unsorted)
+    unsorted = union_of([pos.flip(0) for pos in names], n)
+    assert torch.equal(unsorted[0], support) and torch.equal(unsorted[1], named)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from lightning_gradcomp import comm
 from lightning_gradcomp.codecs import levels
 from lightning_gradcomp.codecs import lgc_autoencoder as autoencoder
 from lightning_gradcomp.codecs.lgc_autoencoder import GradientAutoencoder
+from lightning_gradcomp.codecs.positions import union_of
 from lightning_gradcomp.codecs.sampling import keep_count, named_count
 
 __all__ = ["LearnedCode", "REFIT_VALUES"]
@@ -441,8 +442,8 @@ def _cut_union(values: Tensor, named: Tensor, count: int) -> tuple[Tensor, Tenso
     for r in range(values.shape[0]):
         columns = named[r].to(values.device).nonzero().reshape(-1)
         picks.append(columns[values[r, columns].abs().topk(min(count, columns.numel()), sorted=False).indices])
-    keep = torch.unique(torch.cat(picks))
-    return values[:, keep], torch.stack([torch.isin(keep, p) for p in picks])
+    keep, named_kept = union_of(picks, values.shape[1])
+    return values[:, keep], named_kept
 
 
 def _to_cpu(lead: int | Tensor) -> int | Tensor:

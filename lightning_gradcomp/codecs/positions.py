@@ -37,8 +37,8 @@ def positions_of_ones(mask: Tensor, count: int) -> Tensor:
 
 
 def union_of(names: list[Tensor], n: int) -> tuple[Tensor, Tensor]:
-    """The sorted union of several sorted sets of distinct positions in ``[0, n)``, and an
-    ``(len(names), U)`` mask, True where set ``r`` holds the union's position.
+    """The sorted union of several sets of distinct positions in ``[0, n)`` (each in any order),
+    and an ``(len(names), U)`` mask, True where set ``r`` holds the union's position.
 
     One byte a position over ``[0, n)`` for every eight sets, set ``r`` marking bit ``r mod 8``,
     instead of sorting the concatenation (``torch.unique``) and testing membership (``torch.isin``):
