@@ -784,8 +784,9 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         if self.rank == 0 and self._refitting(step) and key in self._levels:
             self._keep_for_refit(key, step, v, k > keep_count(self.options.ratio, x.numel()))
         if not coded:  # stage 2, a layer the code does not carry, or one the guard sent exactly
-            local[idx] = v
-            return EncodeResult([v], local=local, ctx=_LayerContext(idx, s, None, step, key, False))
+            sent = self._exact(v, step)
+            local[idx] = sent.to(local.dtype)
+            return EncodeResult([sent], local=local, ctx=_LayerContext(idx, s, None, step, key, False))
         ctx = _LayerContext(idx, s, z_lead, step, key, True)
         if not self.uses_autoencoder:
             # the levels: what this rank's message decodes to is exactly its share of the sum
@@ -814,6 +815,15 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             local[idx] = s * self.ae.decode(z_lead, k, u.unsqueeze(0))[0]
             return EncodeResult([v[pos], pos.to(torch.int32)], local=local, ctx=ctx)
 
+    def _exact(self, v: Tensor, step: int) -> Tensor:
+        """Values that travel exactly, in the harness's ``plain_dtype`` where they are gathered
+        (summed in fp32 after the gather); ``local`` takes them as sent, so with error feedback the
+        rounding error stays in the residual. RAR's stage 3 sums its payloads and keeps fp32."""
+        plain = getattr(torch, self.harness.plain_dtype)
+        if plain == v.dtype or self.collective_at(step) != "allgather":
+            return v
+        return v.to(plain)
+
     def _encode_union(self, x: Tensor, key: str, step: int, prepared: _Shared) -> EncodeResult:
         """A union support: this rank's values at the positions it named travel on the leader's
         levels, its values at the others' positions on the others' levels (two messages); exact
@@ -830,8 +840,9 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 self._keep_for_refit(key, step, v[~mine], denser, levels.OTHERS)
         ctx = _LayerContext(idx, 1.0, None, step, key, coded, named, k)
         if not coded:
-            local[idx] = v
-            return EncodeResult([v], local=local, ctx=ctx)
+            sent = self._exact(v, step)
+            local[idx] = sent.to(local.dtype)
+            return EncodeResult([sent], local=local, ctx=ctx)
         message, rec = own_code
         decoded = torch.empty_like(v)
         decoded[mine] = rec

@@ -23,7 +23,7 @@ __all__ = [
     "DENSE_DTYPES",
 ]
 
-#: the ``dense_dtype`` harness option's choices (names of torch dtypes)
+#: the ``dense_dtype`` and ``plain_dtype`` harness options' choices (names of torch dtypes)
 DENSE_DTYPES = ("float32", "bfloat16")
 
 
@@ -116,6 +116,15 @@ class HarnessOptions(CodecOptions):
             ``iwp``, ``fp16``, ``powersgd``, ...) refuse anything but ``"float32"``; ``lgc``'s
             autoencoder with ``variant="rar"`` sums its latents in stage 3, and its dense layers
             travel in fp32 there.
+        plain_dtype: the dtype of what travels exactly because nothing compresses it: the plain
+            all-reduce of the steps and buckets sent uncompressed (the warm-up before
+            ``start_step`` or a codec's own, such as ``lgc``'s stage 1, and buckets the fallback
+            sends plainly), and the exact values that ``lgc`` gathers on its support (its stage 2,
+            and the layers its run-time guard sends exactly). ``"float32"`` (default, exact) or
+            ``"bfloat16"``: half the bytes, each rank's values rounded to bfloat16 and summed in
+            bfloat16 as torch's ``bf16_compress_hook`` does; with ``error_feedback`` each rank's
+            rounding error stays in its residual and travels with the next step, so nothing is
+            lost. Gradients that are not fp32 already travel in their own dtype.
     """
 
     error_feedback: bool = False
@@ -129,6 +138,7 @@ class HarnessOptions(CodecOptions):
     lr_scaled_feedback: bool = False
     precondition: bool = False
     dense_dtype: str = "float32"
+    plain_dtype: str = "float32"
 
     def check(self) -> None:
         self._set("error_feedback", bool(self.error_feedback))
@@ -146,6 +156,7 @@ class HarnessOptions(CodecOptions):
         self._set("lr_scaled_feedback", bool(self.lr_scaled_feedback))
         self._set("precondition", bool(self.precondition))
         check_choice("dense_dtype", self.dense_dtype, DENSE_DTYPES)
+        check_choice("plain_dtype", self.plain_dtype, DENSE_DTYPES)
 
 
 # --------------------------------------------------------------------------------------------------

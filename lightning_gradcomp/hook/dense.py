@@ -1,6 +1,8 @@
 """The uncompressed path: warm-up steps, buckets the fallback sends plainly, and codecs that
 never compress. Residuals left from compressed steps are flushed into the bucket, so nothing is
-lost, and a learning codec observes the averaged gradients."""
+lost, and a learning codec observes the averaged gradients. With ``plain_dtype="bfloat16"`` the
+bucket travels in half the bytes and, with error feedback, each rank's rounding error becomes its
+residual."""
 
 from __future__ import annotations
 
@@ -29,8 +31,23 @@ def send(state, buf: Tensor, layers: list, flag: Tensor, step: int) -> torch.fut
             g.copy_(memory.compensate(k, g.reshape(-1).float()).view_as(g))
             flushed.append(k)
     n = buf.numel()
-    msg = torch.empty(n + 1, dtype=buf.dtype, device=buf.device)
-    torch.div(buf.reshape(-1), world, out=msg[:n])
+    plain = getattr(torch, codec.harness.plain_dtype)
+    rounded = plain != buf.dtype and buf.dtype == torch.float32
+    rounding_keys = []
+    if rounded:
+        # ``plain_dtype``: each rank's values rounded once, summed in that dtype, averaged in fp32
+        # after the sum; with error feedback each rank keeps its own rounding error, so the
+        # plain steps lose nothing (the summation's own rounding is the same on every rank)
+        msg = torch.empty(n + 1, dtype=plain, device=buf.device)
+        msg[:n] = buf.reshape(-1)
+        if codec.harness.error_feedback:
+            for k, g, _ in layers:
+                flat = g.reshape(-1)
+                memory.stage(k, flat.float() - flat.to(plain).float())
+                rounding_keys.append(k)
+    else:
+        msg = torch.empty(n + 1, dtype=buf.dtype, device=buf.device)
+        torch.div(buf.reshape(-1), world, out=msg[:n])
     msg[n:] = flag
     record_bucket(state.stats.add, buf, world, "allreduce", msg.numel() * msg.element_size(), compressed=False)
     clock = clock_for(buf.device)
@@ -42,9 +59,15 @@ def send(state, buf: Tensor, layers: list, flag: Tensor, step: int) -> torch.fut
         state.stats.add(comm_s=Span(clock, launched, clock.mark()))
         # the one host sync of the bucket: whether to keep it is decided on the host
         if float(t[n]) > 0:
-            return state.settle(buf, False, flushed, all_keys)
-        buf.copy_(t[:n].view_as(buf))
-        state.settle(buf, True, flushed, all_keys, flushed=True)
+            return state.settle(buf, False, rounding_keys or flushed, all_keys)
+        if rounded:
+            buf.copy_(t[:n].float().div_(world).view_as(buf))
+        else:
+            buf.copy_(t[:n].view_as(buf))
+        if rounding_keys:  # the rounding errors replace whatever residual travelled in the bucket
+            state.settle(buf, True, rounding_keys, all_keys)
+        else:
+            state.settle(buf, True, flushed, all_keys, flushed=True)
         for k, g in observe:
             codec.observe_dense(k, g.reshape(-1), step)
         return buf
