@@ -161,7 +161,11 @@ _OPTION_CHANGES = {
     ("qsgd", "bits"): (4, "<absent>"),  # derived from levels: a read-only property now
 }
 # harness options added since, which every codec takes: their default for each codec
-_HARNESS_ADDED = {"precondition": {"default": False}, "dense_dtype": {"default": "float32", "lgc": "bfloat16"}}
+_HARNESS_ADDED = {
+    "precondition": {"default": False},
+    "dense_dtype": {"default": "float32", "lgc": "bfloat16"},
+    "plain_dtype": {"default": "float32"},
+}
 
 
 def test_options_keep_their_names_and_defaults():
