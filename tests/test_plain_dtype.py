@@ -1,10 +1,11 @@
 """The ``plain_dtype`` harness option: what travels exactly (a plain all-reduce, ``lgc``'s exact
 values on its support) travels in bfloat16, and with error feedback each rank's rounding error
-stays in its residual, so nothing is lost.
+stays in its residual.
 
 On every step and every rank: what the rank sent is its gradient plus the residual it had minus
 the residual it keeps (``sent = g + e_before - e_after``), every rank receives the mean of what
-was sent, and in bfloat16 what was sent is a bfloat16 number."""
+was sent (on a plain step in bfloat16, their sum rounded once to bfloat16, halved), and in
+bfloat16 what was sent is a bfloat16 number."""
 
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ def test_plain_steps_in_bfloat16_keep_each_ranks_rounding_error(plain_runs):
     assert [r["bytes"] for r in bf16[0]] == [r["bytes"] // 2 for r in fp32[0]]
 
 
-def test_plain_steps_in_bfloat16_lose_nothing_over_steps(plain_runs):
+def test_what_a_rank_sent_and_keeps_is_what_it_computed(plain_runs):
     """What a rank sent over the steps plus what it keeps is what it computed."""
     rows = plain_runs["bfloat16"][1]
     for name in rows[0]["own"]:

@@ -122,9 +122,12 @@ class HarnessOptions(CodecOptions):
             sends plainly), and the exact values that ``lgc`` gathers on its support (its stage 2,
             and the layers its run-time guard sends exactly). ``"float32"`` (default, exact) or
             ``"bfloat16"``: half the bytes, each rank's values rounded to bfloat16 and summed in
-            bfloat16 as torch's ``bf16_compress_hook`` does; with ``error_feedback`` each rank's
-            rounding error stays in its residual and travels with the next step, so nothing is
-            lost. Gradients that are not fp32 already travel in their own dtype.
+            bfloat16 as torch's ``bf16_compress_hook`` does (``lgc``'s gathered values are summed
+            in fp32); with ``error_feedback`` each rank's rounding error stays in its residual and
+            travels with the next step, so what a rank sends plus what it keeps is what it
+            computed. Only the rounding of the plain all-reduce's bfloat16 sum itself (at most
+            2^-8 of it, the same on every rank) is not kept. Gradients that are not fp32 travel in
+            their own dtype.
     """
 
     error_feedback: bool = False

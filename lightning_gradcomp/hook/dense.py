@@ -36,8 +36,8 @@ def send(state, buf: Tensor, layers: list, flag: Tensor, step: int) -> torch.fut
     rounding_keys = []
     if rounded:
         # ``plain_dtype``: each rank's values rounded once, summed in that dtype, averaged in fp32
-        # after the sum; with error feedback each rank keeps its own rounding error, so the
-        # plain steps lose nothing (the summation's own rounding is the same on every rank)
+        # after the sum; with error feedback each rank keeps its own rounding error for the next
+        # step. The sum's own rounding, identical on every rank, is not kept: no rank knows it
         msg = torch.empty(n + 1, dtype=plain, device=buf.device)
         msg[:n] = buf.reshape(-1)
         if codec.harness.error_feedback:
