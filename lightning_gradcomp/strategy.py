@@ -65,10 +65,12 @@ class CompressedDDPStrategy(DDPStrategy):
         adaptive_level: set the codec's compression level from the gradient's norm
             (:class:`~lightning_gradcomp.callbacks.AdaptiveCompression`, Accordion's rule): ``False``:
             off; ``True``: on with the callback's defaults; a dict: the callback's arguments
-            (``{"eta": 0.5, "interval": 50}``); ``None`` (default): on for ``codec="lgc"`` and
-            ``codec="gradiveq"`` (measured to train clearly better with it, docs/benchmarks.md;
-            ``gradiveq`` with ``lr_reference="peak"``, its measured rule, and ``lgc`` so beside
-            an Adam-like optimizer: the codec's ``adaptive_optimizer_controller``) and
+            (``{"eta": 0.5, "interval": 50}``); ``None`` (default): on for ``codec="lgc"``,
+            ``codec="gradiveq"`` and ``codec="iwp"`` (measured to train clearly better with it,
+            docs/benchmarks.md; ``gradiveq`` with ``lr_reference="peak"``, its measured rule, and
+            ``lgc`` and ``iwp`` so beside an Adam-like optimizer: the codec's
+            ``adaptive_optimizer_controller``; ``iwp`` with ``lr_scaled_feedback=True`` whenever the
+            controller runs: its ``adaptive_harness_defaults``) and
             ``codec="auto"`` (its accuracy budget: no heavy arm in a critical regime), off for every
             other codec. The codec must be adjustable (``topk``, ``iwp``, ``qsgd``, ``powersgd``,
             ``gradiveq``, ``fft``, ``lgc``, ``auto``). An ``AdaptiveCompression`` among the trainer's callbacks is
@@ -126,6 +128,14 @@ class CompressedDDPStrategy(DDPStrategy):
         self.fallback = fallback
         self.adaptive_level = adaptive_level
         self._adaptive_callback = _adaptive_callback(adaptive_level, self.codec)
+        if self._adaptive_callback is not None and isinstance(codec, str):
+            # options a codec takes together with the controller's light steps, where not given
+            # (a codec object is kept as it is); the codec has seen no process yet
+            taken = {k: v for k, v in self.codec.adaptive_harness_defaults.items() if k not in (codec_options or {})}
+            if not self.codec.harness.error_feedback:
+                taken.pop("lr_scaled_feedback", None)  # as for a codec's own defaults: no residual to rescale
+            if taken:
+                self.codec = resolve_codec(codec, {**taken, **(codec_options or {})})
         super().__init__(
             process_group_backend=process_group_backend,
             timeout=timeout,
@@ -423,7 +433,25 @@ class CompressedDDPStrategy(DDPStrategy):
             weights_only = True
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._pending_checkpoint = checkpoint.get(CHECKPOINT_KEY)
+        self._warn_controller_missing_from_checkpoint(checkpoint)
         return checkpoint
+
+    def _warn_controller_missing_from_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A run resumed from a checkpoint whose run had no level controller, with the one this
+        strategy attaches by default, goes on with it (from the level the codec recorded): say so,
+        so that a codec that took the controller by default in a later version does not change a
+        resumed run silently."""
+        callback = self._adaptive_callback
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if self.adaptive_level is not None or callback is None or not saved or saved.get("codec") != self.codec.name:
+            return
+        if any(str(key).startswith(type(callback).__name__) for key in checkpoint.get("callbacks") or {}):
+            return
+        rank_zero_warn(
+            f"the checkpoint's run had no level controller (AdaptiveCompression); codec {self.codec.name!r} takes "
+            "one by default, so this run goes on with it from here, starting at the level the checkpoint recorded. "
+            "adaptive_level=False continues as the checkpoint's run did."
+        )
 
     def gradcomp_state_dict(self) -> dict[str, Any]:
         """The codec state of every rank: shared state once, per-rank residuals gathered.

@@ -12,6 +12,7 @@ import glob
 import hashlib
 import json
 import os
+import warnings
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -124,6 +125,50 @@ def test_the_strategy_builds_the_callback_it_will_attach():
     assert CompressedDDPStrategy(codec="gradiveq")._adaptive_callback.lr_reference == "peak"
     assert CompressedDDPStrategy(codec="gradiveq", adaptive_level=True)._adaptive_callback.lr_reference == "previous"
     assert CompressedDDPStrategy(codec="lgc")._adaptive_callback.lr_reference == "previous"
+
+
+def test_iwp_keeps_its_residual_in_units_of_the_update_whenever_the_controller_runs():
+    # the two were measured together: the controller by default brings the rescaled residual along
+    strategy = CompressedDDPStrategy(codec="iwp")
+    assert strategy._adaptive_callback.lr_reference == "previous"
+    assert strategy.codec.harness.lr_scaled_feedback is True
+    assert CompressedDDPStrategy(codec="iwp", adaptive_level=True).codec.harness.lr_scaled_feedback is True
+    # without the controller it cost accuracy: off, the residual stays in units of the gradient
+    strategy = CompressedDDPStrategy(codec="iwp", adaptive_level=False)
+    assert strategy._adaptive_callback is None and strategy.codec.harness.lr_scaled_feedback is False
+    assert make_codec("iwp").harness.lr_scaled_feedback is False  # a codec outside the strategy: no controller
+    # what the user sets is kept, and so is a codec the user built
+    options = {"lr_scaled_feedback": False, "keep_fraction": 0.02}
+    codec = CompressedDDPStrategy(codec="iwp", codec_options=options).codec
+    assert (codec.harness.lr_scaled_feedback, codec.options.keep_fraction) == (False, 0.02)
+    codec = CompressedDDPStrategy(codec="iwp", codec_options={"keep_fraction": 0.02}).codec
+    assert (codec.harness.lr_scaled_feedback, codec.options.keep_fraction) == (True, 0.02)
+    built = make_codec("iwp")
+    assert CompressedDDPStrategy(codec=built).codec is built
+    # error feedback off leaves no residual to rescale: the option steps aside, as a codec's own
+    # default does
+    codec = CompressedDDPStrategy(codec="iwp", codec_options={"error_feedback": False}).codec
+    assert codec.harness.lr_scaled_feedback is False
+    # a codec without such options keeps its own under the controller
+    assert CompressedDDPStrategy(codec="topk", adaptive_level=True).codec.harness.lr_scaled_feedback is False
+
+
+def test_a_run_resumed_without_the_controller_it_now_takes_by_default_is_told(tmp_path):
+    # a checkpoint of iwp written before it took the controller by default: no controller state
+    path = tmp_path / "earlier.ckpt"
+    torch.save({"gradcomp": {"codec": "iwp"}, "callbacks": {}}, path)
+    with pytest.warns(UserWarning, match=r"had no level controller.*'iwp' takes one by default.*adaptive_level=False"):
+        CompressedDDPStrategy(codec="iwp").load_checkpoint(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # the controller asked for, or off, is the user's choice; another codec's checkpoint starts fresh
+        CompressedDDPStrategy(codec="iwp", adaptive_level=True).load_checkpoint(path)
+        CompressedDDPStrategy(codec="iwp", adaptive_level=False).load_checkpoint(path)
+        CompressedDDPStrategy(codec="gradiveq").load_checkpoint(path)
+        # a checkpoint that holds the controller's state goes on as it ran
+        key = CompressedDDPStrategy(codec="iwp")._adaptive_callback.state_key
+        torch.save({"gradcomp": {"codec": "iwp"}, "callbacks": {key: {}}}, path)
+        CompressedDDPStrategy(codec="iwp").load_checkpoint(path)
 
 
 def test_theta_decay_beside_it_is_refused():

@@ -104,6 +104,7 @@ def test_the_strategy_turns_the_level_controller_on_for_the_codecs_measured_to_n
     assert CompressedDDPStrategy(codec="lgc")._adaptive_callback is not None  # lgc trains better with it
     assert CompressedDDPStrategy(codec="lgc", adaptive_level=False)._adaptive_callback is None
     assert CompressedDDPStrategy(codec="gradiveq")._adaptive_callback is not None  # so does gradiveq
+    assert CompressedDDPStrategy(codec="iwp")._adaptive_callback is not None  # and iwp
     assert CompressedDDPStrategy(codec="powersgd")._adaptive_callback is None  # a baseline runs as published
 
 

@@ -216,8 +216,8 @@ def test_lgc_beside_adam_keeps_a_denser_support_unless_told_otherwise():
     codec = _strategy_beside("adamw", codec=make_codec("lgc", ratio=0.02))
     assert codec.options.ratio == 0.02
     # codecs without such defaults are left alone
-    codec = _strategy_beside("adamw", codec="iwp")
-    assert codec.config() == make_codec("iwp").config()
+    codec = _strategy_beside("adamw", codec="topk")
+    assert codec.config() == make_codec("topk").config()
 
 
 def test_gradiveq_beside_adam_quantizes_its_coefficients_finer_unless_told_otherwise():
@@ -251,8 +251,11 @@ def test_lgc_beside_adam_takes_the_peak_rule_only_for_the_controller_it_attached
     assert _controller_beside("adamw", codec="lgc", adaptive_level={"eta": 0.5}).lr_reference == "previous"
     assert _controller_beside("adamw", codec="lgc", adaptive_level=True).lr_reference == "previous"
     assert _controller_beside("adamw", codec="lgc", adaptive_level=False) is None
-    # gradiveq's own rule is the peak one with any optimizer; topk has no controller by default
+    # gradiveq's own rule is the peak one with any optimizer; iwp's is lgc's; topk has no
+    # controller by default
     assert _controller_beside("adamw", codec="gradiveq").lr_reference == "peak"
+    assert _controller_beside("adamw", codec="iwp").lr_reference == "peak"
+    assert _controller_beside("sgd", codec="iwp").lr_reference == "previous"
     assert _controller_beside("adamw", codec="topk") is None
 
 

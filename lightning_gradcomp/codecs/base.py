@@ -189,7 +189,7 @@ class Codec:
     - :attr:`collective` (how payloads combine, see the module docstring), :attr:`Options` (its
       hyper-parameters), :attr:`harness_defaults`, :attr:`wire_dtype`, :attr:`sparse_local`,
       :attr:`adaptive_by_default`, :attr:`adaptive_optimizer_defaults`,
-      :attr:`adaptive_optimizer_controller`;
+      :attr:`adaptive_optimizer_controller`, :attr:`adaptive_harness_defaults`;
     - :meth:`aggregate` (``allgather`` codecs, to be faster than decoding one payload at a time),
       :meth:`error_bound` (checked by the property tests), :meth:`is_compressing` (a warm-up),
       :meth:`check_harness` (refuse a harness option it cannot run with).
@@ -229,6 +229,10 @@ class Codec:
     #: (``adaptive_level=None`` and :attr:`adaptive_by_default`) that differ beside such an
     #: optimizer (``{"lr_reference": "peak"}``)
     adaptive_optimizer_controller: ClassVar[Mapping[str, Any]] = {}
+    #: harness options that ``CompressedDDPStrategy`` sets in place of their defaults whenever it
+    #: attaches the level controller (by default or on request) and the user did not set them: for
+    #: codecs measured to need them together with its light steps (``{"lr_scaled_feedback": True}``)
+    adaptive_harness_defaults: ClassVar[Mapping[str, Any]] = {}
 
     def __init__(self, **options: Any) -> None:
         own = {f.name for f in dataclasses.fields(self.Options)}
