@@ -135,7 +135,7 @@ class CompressedDDPStrategy(DDPStrategy):
             if not self.codec.harness.error_feedback:
                 taken.pop("lr_scaled_feedback", None)  # as for a codec's own defaults: no residual to rescale
             if taken:
-                self.codec = resolve_codec(codec, {**taken, **(codec_options or {})})
+                self.codec.adopt_defaults(taken)
         super().__init__(
             process_group_backend=process_group_backend,
             timeout=timeout,
