@@ -128,10 +128,11 @@ class CompressedDDPStrategy(DDPStrategy):
         self.fallback = fallback
         self.adaptive_level = adaptive_level
         self._adaptive_callback = _adaptive_callback(adaptive_level, self.codec)
-        if self._adaptive_callback is not None and isinstance(codec, str):
+        if self._adaptive_callback is not None and self._options_given is not None:
             # options a codec takes together with the controller's light steps, where not given
             # (a codec object is kept as it is); the codec has seen no process yet
-            taken = {k: v for k, v in self.codec.adaptive_harness_defaults.items() if k not in (codec_options or {})}
+            defaults = self.codec.adaptive_harness_defaults
+            taken = {k: v for k, v in defaults.items() if k not in self._options_given}
             if not self.codec.harness.error_feedback:
                 taken.pop("lr_scaled_feedback", None)  # as for a codec's own defaults: no residual to rescale
             if taken:
