@@ -47,6 +47,11 @@ CASES: dict[str, tuple[str, dict, object]] = {
     "gradiveq@aggregate": ("gradiveq", {"basis_source": "aggregate", "warmup_steps": 3}, lambda c, s: c.fitted),
     "lgc": ("lgc", {**_AE, "max_recon_error": math.inf}, lambda c, s: c.stage(s) == 3 and c.ae_trained),
     "lgc@ps": ("lgc", {**_AE, "variant": "ps", "max_recon_error": math.inf}, lambda c, s: c.stage(s) == 3),
+    "lgc@union": (
+        "lgc",
+        {**_AE, "support": "union", "max_recon_error": math.inf},
+        lambda c, s: c.stage(s) == 3 and c.ae_trained,
+    ),
 }
 # a codec without a case of its own is tested with its default options; a router (auto) encodes
 # no layer itself: its arms are the codecs tested here, its routing is tested in test_auto.py

@@ -697,7 +697,10 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         head = [torch.stack(flags).to(torch.float32).view(torch.uint8)] if flags else []
         msg = torch.cat(head + parts) if nbytes else torch.empty(0, dtype=torch.uint8, device=device)
         rows = self.context.all_gather(msg)
-        passed = rows[:, : 4 * n_flags].contiguous().view(torch.float32).amin(0).tolist() if n_flags else []
+        # reshape, not contiguous(): one rank's (1, n) slice counts as contiguous with its row
+        # stride, and a dtype view needs the bytes to follow one another
+        flag_rows = rows[:, : 4 * n_flags].reshape(-1).view(torch.float32).view(world, n_flags)
+        passed = flag_rows.amin(0).tolist() if n_flags else []
         shared: dict[str, _Shared] = {}
         off_b, off_f = 4 * n_flags, 0
         for i, ((key, _, _), k, m, a, e, b, n) in enumerate(
