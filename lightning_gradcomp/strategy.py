@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_gradcomp.codecs.base import Codec, MultiRound
+from lightning_gradcomp.codecs.options import harness_defaults_that_apply
 from lightning_gradcomp.comm import gather_rank_states
 from lightning_gradcomp.hook import (
     NONFINITE_POLICIES,
@@ -131,10 +132,10 @@ class CompressedDDPStrategy(DDPStrategy):
         if self._adaptive_callback is not None and self._options_given is not None:
             # options a codec takes together with the controller's light steps, where not given
             # (a codec object is kept as it is); the codec has seen no process yet
-            defaults = self.codec.adaptive_harness_defaults
+            defaults = harness_defaults_that_apply(
+                self.codec.adaptive_harness_defaults, self.codec.harness.error_feedback
+            )
             taken = {k: v for k, v in defaults.items() if k not in self._options_given}
-            if not self.codec.harness.error_feedback:
-                taken.pop("lr_scaled_feedback", None)  # as for a codec's own defaults: no residual to rescale
             if taken:
                 self.codec.adopt_defaults(taken)
         super().__init__(

@@ -55,6 +55,7 @@ from lightning_gradcomp.codecs.options import (  # noqa: F401
     check_positive_float,
     check_positive_int,
     check_run_steps,
+    harness_defaults_that_apply,
     run_steps,
 )
 from lightning_gradcomp.codecs.sampling import DensityWarmup, check_density_warmup  # noqa: F401
@@ -244,9 +245,8 @@ class Codec:
                 f"Valid options: {', '.join(option_names(type(self)))}"
             )
         given = {k: v for k, v in options.items() if k in harness}
-        merged = {**self.harness_defaults, **given}
-        if "lr_scaled_feedback" not in given and not merged.get("error_feedback", False):
-            merged.pop("lr_scaled_feedback", None)  # a codec's default applies with error feedback only
+        error_feedback = given.get("error_feedback", self.harness_defaults.get("error_feedback", False))
+        merged = {**harness_defaults_that_apply(self.harness_defaults, error_feedback), **given}
         self.options = self.Options(**{k: v for k, v in options.items() if k in own})
         self.harness = HarnessOptions(**merged)
         self._check_harness_for_codec()

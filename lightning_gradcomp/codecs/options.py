@@ -8,11 +8,12 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 __all__ = [
     "CodecOptions",
     "HarnessOptions",
+    "harness_defaults_that_apply",
     "check_fraction",
     "check_positive_int",
     "check_positive_float",
@@ -160,6 +161,17 @@ class HarnessOptions(CodecOptions):
         self._set("precondition", bool(self.precondition))
         check_choice("dense_dtype", self.dense_dtype, DENSE_DTYPES)
         check_choice("plain_dtype", self.plain_dtype, DENSE_DTYPES)
+
+
+def harness_defaults_that_apply(defaults: Mapping[str, Any], error_feedback: bool) -> dict[str, Any]:
+    """The harness options a codec sets by default (``harness_defaults``, or those it takes with the
+    level controller, ``adaptive_harness_defaults``) that apply to a run with or without
+    ``error_feedback``. A default ``lr_scaled_feedback`` rescales the error-feedback residual, so
+    without error feedback it is dropped; a user's own ``lr_scaled_feedback=True`` without error
+    feedback is not passed through here and fails :meth:`HarnessOptions.check`."""
+    if error_feedback:
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k != "lr_scaled_feedback"}
 
 
 # --------------------------------------------------------------------------------------------------
