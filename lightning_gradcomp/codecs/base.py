@@ -245,7 +245,9 @@ class Codec:
                 f"Valid options: {', '.join(option_names(type(self)))}"
             )
         given = {k: v for k, v in options.items() if k in harness}
-        error_feedback = given.get("error_feedback", self.harness_defaults.get("error_feedback", False))
+        error_feedback = given.get(
+            "error_feedback", self.harness_defaults.get("error_feedback", HarnessOptions.error_feedback)
+        )
         merged = {**harness_defaults_that_apply(self.harness_defaults, error_feedback), **given}
         self.options = self.Options(**{k: v for k, v in options.items() if k in own})
         self.harness = HarnessOptions(**merged)
