@@ -11,7 +11,10 @@ in three stages, switched on the same global optimizer step on every rank:
    are always dense. With ``warmup_codec="powersgd"`` stage 1 sends PowerSGD's low-rank factors
    from step 2 instead (torch's hook through :class:`~lightning_gradcomp.codecs.powersgd.PowerSGDCodec`,
    rank ``warmup_rank``, four times that at compression level 0); at its last step each rank's
-   PowerSGD error memory is kept per layer and sent with the first step of stage 2.
+   PowerSGD error memory is kept per layer and sent with the first step of stage 2. With
+   ``warmup_codec="terngrad"`` stage 1 sends every layer from step 2 as TernGrad's 2-bit
+   stochastic codes (:class:`~lightning_gradcomp.codecs.terngrad.TernGradCodec`, all-gathered),
+   16 times fewer bytes than fp32; they are unbiased, so no residual is kept.
 2. the next ``ae_train_steps`` steps: top-k on a *shared support* with error
    feedback. Every step a leader (rank ``step % N``) picks each layer's top-k positions ``S``
    (``k = ceil(ratio * numel)``) and broadcasts them; every rank sends its values ``v_i = x_i[S]``
@@ -102,6 +105,7 @@ from lightning_gradcomp.codecs.positions import (
 )
 from lightning_gradcomp.codecs.powersgd import PowerSGDCodec
 from lightning_gradcomp.codecs.sampling import DensityWarmup, check_density_warmup, keep_count, named_count, select_top
+from lightning_gradcomp.codecs.terngrad import TernGradCodec
 from lightning_gradcomp.registry import register_codec
 
 __all__ = ["LGCCodec", "LGCOptions", "GradientAutoencoder", "MIN_AE_LEN"]
@@ -112,7 +116,7 @@ CODES = ("levels", "autoencoder")
 VARIANTS = ("rar", "ps")
 SELECTIONS = ("sampled", "exact")
 SUPPORTS = ("leader", "union")
-WARMUP_CODECS = ("allreduce", "powersgd")
+WARMUP_CODECS = ("allreduce", "powersgd", "terngrad")
 #: the paper's stage lengths (SOFF: 200 dense rounds, 300 collecting), the caps of fractions
 WARMUP_CAP, AE_TRAIN_CAP = 200, 300
 
@@ -127,6 +131,16 @@ class _Shared(NamedTuple):
     own_code: Any  # the leader's own code, computed for the run-time guard (reused by encode)
     named: Tensor | None = None  # a union support: (N, K) mask, True where that rank named the position
     size: int = 0  # a union support: the support's configured size k (it picks the levels' table)
+
+
+class _Ternary:
+    """A layer of stage 1 with ``warmup_codec="terngrad"``: its ``prepared`` and its decode context
+    (TernGrad needs nothing beyond the payload)."""
+
+    __slots__ = ()
+
+
+_TERNARY = _Ternary()
 
 
 class _LayerContext(NamedTuple):
@@ -338,10 +352,12 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             ``v - s D(E(v / s))``, in the residual (default True), so what the code misses is sent
             later instead of being lost; False keeps only what is off the support (the paper's
             choice). ``gradcomp/rel_error`` includes the AE's error either way.
-        warmup_codec: how stage 1 travels: ``"allreduce"`` (default, the dense gradient) or
+        warmup_codec: how stage 1 travels: ``"allreduce"`` (default, the dense gradient),
             ``"powersgd"`` (PowerSGD's rank-``warmup_rank`` factors with its own error feedback,
             the rank four times higher at compression level 0; what it held back at the end of
-            stage 1 travels with stage 2's first step). Not with ``momentum`` or ``precondition``.
+            stage 1 travels with stage 2's first step; not with ``momentum`` or ``precondition``)
+            or ``"terngrad"`` (every layer as TernGrad's scale and 2-bit stochastic codes,
+            all-gathered, with no residual: 16 times fewer bytes than the dense stage 1).
         warmup_rank: PowerSGD's rank in stage 1 at compression level 1 (default 4).
         seed: seeds the AE initialization, its training and the sampling.
         **kwargs: the common codec options (``error_feedback`` on by default, ``min_numel``;
@@ -410,6 +426,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         super().__init__(**options)
         self._init_learned_code()
         self._warmup_codec = self._make_warmup_codec()
+        self._ternary = self._make_ternary()
         self._handoff: dict[str, Tensor] = {}  # its error memory at the end of stage 1, per layer
         self.last_timing: dict[str, float] = {}
 
@@ -428,17 +445,26 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         o = self.options
         return PowerSGDCodec(rank=o.warmup_rank) if o.warmup_codec == "powersgd" else None
 
+    def _make_ternary(self) -> TernGradCodec | None:
+        """``warmup_codec="terngrad"``: TernGrad as its baseline runs (clipped at 2.5 standard
+        deviations), its rounding seeded by ``seed``."""
+        return TernGradCodec(seed=self.options.seed) if self.options.warmup_codec == "terngrad" else None
+
     def replace_options(self, **changes: Any) -> None:
-        warmup = (self.options.warmup_codec, self.options.warmup_rank)
+        warmup = (self.options.warmup_codec, self.options.warmup_rank, self.options.seed)
         super().replace_options(**changes)
-        if (self.options.warmup_codec, self.options.warmup_rank) == warmup:
+        if (self.options.warmup_codec, self.options.warmup_rank, self.options.seed) == warmup:
             return  # a warm-up codec already set up keeps its state
         self._warmup_codec = self._make_warmup_codec()
-        if self._warmup_codec is not None and self.context is not None:
+        self._ternary = self._make_ternary()
+        if self.context is not None:
             # options replaced after setup (the defaults beside Adam are adopted once the
             # optimizers exist): the new warm-up codec is set up as this one was, at its level
-            self._warmup_codec.setup(self.context)
-            self._warmup_codec.set_level(self.compression_level)
+            if self._warmup_codec is not None:
+                self._warmup_codec.setup(self.context)
+                self._warmup_codec.set_level(self.compression_level)
+            if self._ternary is not None:
+                self._ternary.setup(self.context)
 
     @property
     def bucket_keyed_state(self) -> bool:  # type: ignore[override]
@@ -473,12 +499,14 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         return 2 if step < self.ae_start_step or not self.ae_trained else 3
 
     def is_compressing(self, step: int) -> bool:
-        # with a PowerSGD warm-up, stage 1 compresses too (from the first step the hook allows)
-        return self._warmup_codec is not None or step >= self.warmup_end
+        # with a PowerSGD or TernGrad warm-up, stage 1 compresses too (from the first step the hook
+        # allows)
+        return self._warmup_codec is not None or self._ternary is not None or step >= self.warmup_end
 
     def collective_at(self, step: int) -> Collective:
         # stage 2 gathers every rank's values (the learned code's training data); the AE's RAR
-        # stage 3 sums latents; the levels' codes do not sum and are gathered
+        # stage 3 sums latents; the levels' codes do not sum and are gathered, nor do TernGrad's
+        # in stage 1 (every rank has its own scale)
         if self._warmup_codec is not None and self.stage(step) == 1:
             return "custom"  # stage 1 through PowerSGD (communicate_bucket)
         rar = self.uses_autoencoder and self.options.variant == "rar"
@@ -489,6 +517,8 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         self.ae.to(context.device)
         if self._warmup_codec is not None:
             self._warmup_codec.setup(context)
+        if self._ternary is not None:
+            self._ternary.setup(context)
 
     def on_level_change(self) -> None:
         if self._warmup_codec is not None:  # PowerSGD's rank follows the level in stage 1
@@ -566,6 +596,8 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         if stage == 3 and not self.ae_trained:  # resumed exactly at the switch: train now
             self.train_autoencoder()
             stage = self.stage(step)
+        if stage == 1 and self._ternary is not None:  # no rounds of its own: each layer's codes
+            return Prepared(0, {key: _TERNARY for key, _, _ in layers})
         if self._handoff:  # the first step after a PowerSGD stage 1: what it held back travels now
             for key, x, _ in layers:
                 held = self._handoff.pop(key, None)
@@ -778,6 +810,8 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         """``prepared``: the layer's :class:`_Shared`, from :meth:`prepare_bucket` (required)."""
         if prepared is None:
             raise RuntimeError(f"lgc.encode of {key!r} needs the layer's context from prepare_bucket")
+        if isinstance(prepared, _Ternary):
+            return self._encode_ternary(x, key, param, step)
         if prepared.named is not None:
             return self._encode_union(x, key, step, prepared)
         idx, s, z_lead, coded, own_code = prepared[:5]
@@ -817,6 +851,17 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             pos, u = self._innovation(v / s, x.numel())
             local[idx] = s * self.ae.decode(z_lead, k, u.unsqueeze(0))[0]
             return EncodeResult([v[pos], pos.to(torch.int32)], local=local, ctx=ctx)
+
+    def _encode_ternary(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
+        """Stage 1 with ``warmup_codec="terngrad"``: the layer as TernGrad's scale and 2-bit codes.
+        Its rounding is unbiased, so the residual keeps nothing (as the ``terngrad`` baseline,
+        which runs without error feedback): feeding back a zero-mean error of the gradient's own
+        size would add its variance to later steps. ``sent`` is what the codes decode to, so
+        ``rel_error`` counts the rounding."""
+        assert self._ternary is not None
+        enc = self._ternary.encode(x, key, param, step)
+        enc.sent, enc.local, enc.ctx = enc.local, x, _TERNARY
+        return enc
 
     def _exact(self, v: Tensor, step: int) -> Tensor:
         """Values that travel exactly, in the harness's ``plain_dtype`` where they are gathered
@@ -887,6 +932,9 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         return out
 
     def aggregate(self, payloads: Sequence[list[Tensor]], ctx: Any, numel: int) -> Tensor:
+        if isinstance(ctx, _Ternary):  # stage 1 through TernGrad: the sum of every rank's codes
+            assert self._ternary is not None
+            return torch.stack([self._ternary.decode(p, None, numel, 1) for p in payloads]).sum(0)
         idx, s, z_lead, step, key, coded = ctx[:6]
         out = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
         k = idx.numel()
