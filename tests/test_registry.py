@@ -150,7 +150,7 @@ _OPTION_CHANGES = {
     ("lgc", "light_ratio"): ("<absent>", None),  # None: the light level's support as before (10 x ratio, <= 0.25)
     ("lgc", "light_code_bits"): ("<absent>", None),  # None: code_bits at the light steps too, as before
     ("lgc", "ratio"): (0.01, 0.0075),  # a steady ratio of 300 on ResNet-18 (docs/codecs/lgc.md)
-    ("lgc", "warmup_codec"): ("<absent>", "allreduce"),  # stage 1 dense unless PowerSGD is asked for
+    ("lgc", "warmup_codec"): ("<absent>", "allreduce"),  # stage 1 dense unless PowerSGD or TernGrad is asked for
     ("lgc", "warmup_rank"): ("<absent>", 4),
     ("lgc", "support"): ("<absent>", "leader"),  # the leader names the support, as before ("union": every rank)
     ("iwp", "last_encodings"): ([], "<absent>"),  # introspection of the last bucket, now plain attributes
