@@ -641,7 +641,14 @@ def test_density_warmup_sends_a_falling_share_then_the_learned_code_trains_on_th
 PW_WARM, PW_TRAIN, PW_STAGE3 = 5, 3, 2
 
 
-def _powersgd_warmup_run(rank: int, world: int) -> dict:
+def _warmup_options() -> dict:
+    return dict(OPTS, code="levels", warmup_steps=PW_WARM, ae_train_steps=PW_TRAIN)
+
+
+def _warmup_setup(rank: int, **hook_options) -> tuple:
+    """Two copies of the MLP (one under DDP with ``lgc``'s hook and a warm-up codec, one to compute
+    this rank's own gradient), the hook's state, the layer keys, the compressed ones, SGD and the
+    rank's batch generator."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lightning_gradcomp.api import make_comm_hook
@@ -649,14 +656,17 @@ def _powersgd_warmup_run(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model, ref = _mlp(), _mlp()
     ddp = DDP(model)
-    opts = dict(OPTS, code="levels", warmup_steps=PW_WARM, ae_train_steps=PW_TRAIN)
-    state, hook = make_comm_hook("lgc", ddp, warmup_codec="powersgd", warmup_rank=2, fallback=False, **opts)
+    state, hook = make_comm_hook("lgc", ddp, fallback=False, **hook_options, **_warmup_options())
     ddp.register_comm_hook(state, hook)
-    codec = state.codec
     keys = [state.key_of(p) for p in model.parameters()]
-    compressed = [k for k, p in zip(keys, model.parameters()) if codec.should_compress(k, p)]
+    compressed = [k for k, p in zip(keys, model.parameters()) if state.codec.should_compress(k, p)]
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    gen = torch.Generator().manual_seed(100 + rank)
+    return model, ref, ddp, state, keys, compressed, opt, torch.Generator().manual_seed(100 + rank)
+
+
+def _powersgd_warmup_run(rank: int, world: int) -> dict:
+    model, ref, ddp, state, keys, compressed, opt, gen = _warmup_setup(rank, warmup_codec="powersgd", warmup_rank=2)
+    codec, opts = state.codec, _warmup_options()
     steps, handoff, first, saved, restored = [], {}, {}, None, None
     for step in range(PW_WARM + PW_TRAIN + PW_STAGE3):
         x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
@@ -694,21 +704,8 @@ def _powersgd_warmup_run(rank: int, world: int) -> dict:
 
 
 def _terngrad_warmup_run(rank: int, world: int) -> dict:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from lightning_gradcomp.api import make_comm_hook
-
-    torch.manual_seed(0)
-    model, ref = _mlp(), _mlp()
-    ddp = DDP(model)
-    opts = dict(OPTS, code="levels", warmup_steps=PW_WARM, ae_train_steps=PW_TRAIN)
-    state, hook = make_comm_hook("lgc", ddp, warmup_codec="terngrad", fallback=False, stats_every=1, **opts)
-    ddp.register_comm_hook(state, hook)
+    model, ref, ddp, state, keys, compressed, opt, gen = _warmup_setup(rank, warmup_codec="terngrad", stats_every=1)
     codec = state.codec
-    keys = [state.key_of(p) for p in model.parameters()]
-    compressed = [k for k, p in zip(keys, model.parameters()) if codec.should_compress(k, p)]
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    gen = torch.Generator().manual_seed(100 + rank)
     steps, stage1 = [], []
     for step in range(PW_WARM + PW_TRAIN + PW_STAGE3):
         x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
