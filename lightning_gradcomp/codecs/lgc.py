@@ -501,7 +501,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
     def is_compressing(self, step: int) -> bool:
         # with a PowerSGD or TernGrad warm-up, stage 1 compresses too (from the first step the hook
         # allows)
-        return self._warmup_codec is not None or self._ternary is not None or step >= self.warmup_end
+        return self.options.warmup_codec != "allreduce" or step >= self.warmup_end
 
     def collective_at(self, step: int) -> Collective:
         # stage 2 gathers every rank's values (the learned code's training data); the AE's RAR
@@ -934,7 +934,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
     def aggregate(self, payloads: Sequence[list[Tensor]], ctx: Any, numel: int) -> Tensor:
         if isinstance(ctx, _Ternary):  # stage 1 through TernGrad: the sum of every rank's codes
             assert self._ternary is not None
-            return torch.stack([self._ternary.decode(p, None, numel, 1) for p in payloads]).sum(0)
+            return self._ternary.aggregate(payloads, None, numel)
         idx, s, z_lead, step, key, coded = ctx[:6]
         out = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
         k = idx.numel()
