@@ -14,7 +14,7 @@ from torch import nn
 from lightning_gradcomp.codecs import levels
 from lightning_gradcomp.codecs.bits import codes_nbytes
 from lightning_gradcomp.codecs.lgc import LGCCodec
-from lightning_gradcomp.codecs.positions import choose_encoding, encoded_nbytes
+from lightning_gradcomp.codecs.positions import choose_encoding, counts_nbytes, encoded_nbytes
 
 RATIO = 0.1
 WARMUP, COLLECT, STAGE3 = 3, 8, 3
@@ -193,6 +193,17 @@ def _train_levels(
     opts = dict(warmup_steps=WARMUP, ae_train_steps=COLLECT, ratio=RATIO, min_numel=1000, dense_layers="none")
     opts.update(refit_every=refit_every, code_denser=code_denser, **(extra or {}))
     state, hook = make_comm_hook("lgc", ddp, stats_every=1, **opts)
+    buckets = []  # (step, bytes, supports, on a union support each rank's count of names)
+    prepare = state.codec.prepare_bucket
+
+    def recording_prepare(layers, rc):
+        prepared = prepare(layers, rc)
+        supports = {key: sh.support.clone() for key, sh in prepared.per_layer.items()}
+        named = {key: int(sh.named[0].sum()) for key, sh in prepared.per_layer.items() if sh.named is not None}
+        buckets.append((rc.step, prepared.nbytes, supports, named))
+        return prepared
+
+    state.codec.prepare_bucket = recording_prepare
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     shared = torch.Generator().manual_seed(5)  # the same on both ranks: most of each batch
@@ -220,6 +231,7 @@ def _train_levels(
                 "err_sq": st.err_sq,
                 "residual_sq": residual_sq,
                 "identical": torch.equal(grads, rank0),
+                "grads": grads,
             }
         )
         opt.step()
@@ -229,6 +241,7 @@ def _train_levels(
     denser = sorted(codec._levels_denser)
     return {
         "rows": rows,
+        "buckets": buckets,
         "digest": codec.ae_digest(),
         "layers": codec.ae_layers,
         "denser": denser,
@@ -647,3 +660,45 @@ def test_a_union_support_carries_every_layer_identically_on_two_ranks_with_exact
         assert r["rows"][WARMUP + COLLECT]["wire"] < _expected_stage3_wire(2)
         carried, total = r["values_run"]["configured"]
         assert carried == total and 2 * (support // 2) <= total <= 2 * support  # two steps, union of halves
+
+
+def _train_union_with_both_position_codes(rank: int, world: int) -> dict:
+    return {
+        code: _train_levels(rank, world, True, 0, STAGE3, True, {"support": "union", "position_code": code})
+        for code in ("channel", "layer")
+    }
+
+
+def test_the_channel_position_code_trains_bit_for_bit_as_the_layer_code_and_sends_what_its_counts_say():
+    """On a union support the names per output channel are lossless (every step's aggregate the
+    same, bit for bit, as with one code over the layer), and a bucket sends its flags, every
+    weight's counts, and the longest rank's names, each weight in the smaller of its two codes."""
+    res = run_gloo(_train_union_with_both_position_codes, world_size=2, timeout=300)
+    weights = {key: tuple(p.shape) for key, p in _mlp().named_parameters() if p.dim() == 2}
+    channel_total = layer_total = 0
+    for r in res:
+        by_channel, by_layer = r["channel"], r["layer"]
+        for a, b in zip(by_channel["rows"], by_layer["rows"], strict=True):
+            assert a["identical"] and torch.equal(a["grads"], b["grads"])
+        assert len(by_channel["buckets"]) == len(by_layer["buckets"]) > 0
+        for (step, nbytes, supports, named), (_, nbytes_l, supports_l, _) in zip(
+            by_channel["buckets"], by_layer["buckets"]
+        ):
+            assert supports.keys() == supports_l.keys()
+            if not supports:  # stage 1: a plain all-reduce
+                assert nbytes == nbytes_l == 0
+                continue
+            n_flags = by_layer["rows"][step]["used"][1]  # the layers the code may carry send a flag
+            layer_code = header = 0
+            for key, support in supports.items():
+                assert torch.equal(support, supports_l[key])
+                (channels, per), m = weights[key], named[key]
+                layer_code += encoded_nbytes(choose_encoding("auto", m, channels * per), m, channels * per)
+                header += counts_nbytes(channels, per)
+            assert nbytes_l == 4 * n_flags + layer_code
+            # the channel code: the counts, then each weight's names in the smaller code (the
+            # channel code's own size is a function of counts the test does not see), padded to
+            # the longest rank's
+            assert 4 * n_flags + header < nbytes <= nbytes_l + header
+            channel_total, layer_total = channel_total + nbytes, layer_total + nbytes_l
+    assert channel_total < layer_total  # the MLP's gradient rows crowd (its inputs share most of each batch)

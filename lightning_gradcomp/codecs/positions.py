@@ -2,6 +2,12 @@
 
 Elias-Fano (``"delta"``) or a bitmap, whichever is smaller (``"auto"``). Both sizes are functions of
 ``k`` (positions) and ``n`` (the range) alone, so a receiver knows the code's size without a header.
+
+The per-channel code (:func:`encode_channel_positions`) splits a weight's positions by output
+channel: a header of each channel's count (:func:`encode_counts`), then per channel an Elias-Fano
+code with its own low-bit width, or a bitmap of the channel where that is smaller. A gradient's
+large values crowd into some channels and avoid others, so this takes fewer bits than one code over
+the layer; its size follows from the counts, which a receiver reads first.
 """
 
 from __future__ import annotations
@@ -13,8 +19,15 @@ from lightning_gradcomp.codecs.bits import pack_mask, unpack_mask
 
 __all__ = [
     "ENCODINGS",
+    "channel_code_nbytes",
+    "channel_counts",
     "choose_encoding",
+    "counts_nbytes",
+    "decode_channel_positions",
+    "decode_counts",
     "decode_positions",
+    "encode_channel_positions",
+    "encode_counts",
     "encode_positions",
     "encoded_nbytes",
     "positions_of_ones",
@@ -128,3 +141,104 @@ def decode_positions(data: Tensor, k: int, n: int, encoding: str) -> Tensor:
         bits = unpack_mask(data[:low_nbytes], k * low).view(k, low).long()
         pos |= (bits << torch.arange(low, device=data.device)).sum(1)
     return pos
+
+
+# The per-channel code. ``channels`` rows of ``per`` positions each (a weight's output channels, flat
+# in row-major order). A channel holding ``c > 0`` of the positions has an Elias-Fano code with
+# ``l_c = floor(log2(per / c))`` low bits, ``c * (l_c + 1) + (per - 1) >> l_c + 1`` bits, or a
+# bitmap of ``per`` bits where that is not more; an empty channel has nothing. All channels' low
+# bits come first, position by position, then each channel's high field (its unary high parts or
+# its bitmap), channel by channel; the whole is one bit stream, packed once.
+
+
+def _count_width(per: int) -> int:
+    """Bits of one channel's count, which lies in ``[0, per]``."""
+    return per.bit_length()
+
+
+def counts_nbytes(channels: int, per: int) -> int:
+    """Bytes of the counts header: ``channels`` counts of ``per.bit_length()`` bits."""
+    return -(-channels * _count_width(per) // 8)
+
+
+def channel_counts(pos: Tensor, channels: int, per: int) -> Tensor:
+    """How many of the positions ``pos`` fall in each of the ``channels`` rows (int64)."""
+    return torch.bincount(pos // per, minlength=channels)
+
+
+def encode_counts(counts: Tensor, per: int) -> Tensor:
+    """The counts as :func:`counts_nbytes` bytes (``per.bit_length()`` bits each, least
+    significant first)."""
+    w = _count_width(per)
+    bits = (counts.unsqueeze(1) >> torch.arange(w, device=counts.device)) & 1
+    return pack_mask(bits.reshape(-1).bool())
+
+
+def decode_counts(data: Tensor, channels: int, per: int) -> Tensor:
+    """Inverse of :func:`encode_counts`."""
+    w = _count_width(per)
+    bits = unpack_mask(data, channels * w).view(channels, w).long()
+    return (bits << torch.arange(w, device=data.device)).sum(-1)
+
+
+def _channel_layout(counts: Tensor, per: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per channel (``counts`` may carry leading batch dimensions): whether it is Elias-Fano coded
+    (else a bitmap, or nothing when empty), its low-bit width, and its low and high fields' bits."""
+    c = counts.clamp(min=1)
+    low = torch.floor(torch.log2(torch.div(per, c, rounding_mode="floor").double())).long().clamp(min=0)
+    ef_bits = counts * (low + 1) + ((per - 1) >> low) + 1
+    elias_fano = (counts > 0) & (ef_bits < per)
+    low = torch.where(elias_fano, low, torch.zeros_like(low))
+    low_len = counts * low
+    high_len = torch.where(elias_fano, counts + ((per - 1) >> low) + 1, torch.where(counts > 0, per, 0))
+    return elias_fano, low, low_len, high_len
+
+
+def channel_code_nbytes(counts: Tensor, per: int) -> Tensor:
+    """Bytes of :func:`encode_channel_positions` for these counts (the header not included), as a
+    tensor: for ``(..., channels)`` counts, one size per leading index."""
+    _, _, low_len, high_len = _channel_layout(counts, per)
+    return torch.div((low_len + high_len).sum(-1) + 7, 8, rounding_mode="floor")
+
+
+def _exclusive_cumsum(x: Tensor) -> Tensor:
+    return torch.cumsum(x, 0) - x
+
+
+def encode_channel_positions(pos: Tensor, counts: Tensor, per: int) -> Tensor:
+    """The sorted positions ``pos`` of a ``(len(counts), per)`` weight, channel by channel:
+    :func:`channel_code_nbytes` bytes, to be read with the same ``counts``."""
+    k = pos.numel()
+    elias_fano, low, low_len, high_len = _channel_layout(counts, per)
+    row = pos // per
+    off = pos - row * per
+    li = low[row]
+    rank = torch.arange(k, device=pos.device) - _exclusive_cumsum(counts)[row]
+    # the low bits, in position order (sorted positions are grouped by channel already)
+    owner = torch.repeat_interleave(torch.arange(k, device=pos.device), li)
+    bit = torch.arange(owner.numel(), device=pos.device) - _exclusive_cumsum(li)[owner]
+    lows = ((off[owner] >> bit) & 1).bool()
+    # the high fields: an Elias-Fano channel sets bit h_i + rank_i of its field, a bitmap bit off_i
+    high = torch.zeros(int(high_len.sum()), dtype=torch.bool, device=pos.device)
+    high[_exclusive_cumsum(high_len)[row] + (off >> li) + rank * elias_fano[row]] = True
+    return pack_mask(torch.cat([lows, high]))
+
+
+def decode_channel_positions(data: Tensor, counts: Tensor, per: int) -> Tensor:
+    """Inverse of :func:`encode_channel_positions`: the sorted positions as int64."""
+    device = data.device
+    k = int(counts.sum())
+    elias_fano, low, low_len, high_len = _channel_layout(counts, per)
+    n_low, n_high = int(low_len.sum()), int(high_len.sum())
+    bits = unpack_mask(data, n_low + n_high)
+    ones = positions_of_ones(bits[n_low:], k)
+    if ones.numel() != k:  # only a CPU can tell here without waiting; CUDA pads a corrupt code
+        raise ValueError(f"corrupt position code: {ones.numel()} high parts for {k} positions")
+    row = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts)
+    rank = torch.arange(k, device=device) - _exclusive_cumsum(counts)[row]
+    li = low[row]
+    off = (ones - _exclusive_cumsum(high_len)[row] - rank * elias_fano[row]) << li
+    owner = torch.repeat_interleave(torch.arange(k, device=device), li)
+    bit = torch.arange(n_low, device=device) - _exclusive_cumsum(li)[owner]
+    off = off.index_add(0, owner, bits[:n_low].long() << bit)
+    return row * per + off

@@ -1,0 +1,82 @@
+"""The per-channel position code: exact sizes, lossless round trips, and where it beats one code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gradcomp.codecs.positions import (
+    channel_code_nbytes,
+    channel_counts,
+    choose_encoding,
+    counts_nbytes,
+    decode_channel_positions,
+    decode_counts,
+    encode_channel_positions,
+    encode_counts,
+    encoded_nbytes,
+)
+
+
+def _support(channels: int, per: int, k: int, crowd: float, seed: int = 0) -> torch.Tensor:
+    """``k`` sorted positions of a ``(channels, per)`` weight; ``crowd`` > 0 gathers them in a few
+    channels, as a gradient's large values gather."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.rand(channels, generator=g).pow(crowd).repeat_interleave(per)
+    score = torch.rand(channels * per, generator=g) * weight
+    return torch.topk(score, k).indices.sort().values
+
+
+@pytest.mark.parametrize(
+    "channels, per, k, crowd",
+    [
+        (64, 576, 369, 0.0),  # sparse and even: every channel in Elias-Fano
+        (64, 576, 5000, 8.0),  # crowded: full, dense (bitmap) and empty channels side by side
+        (10, 512, 51, 2.0),
+        (2, 3, 6, 0.0),  # every position
+        (3, 4, 1, 0.0),
+        (128, 9, 300, 3.0),  # short channels, as a 3x3 kernel's
+        (16, 100, 0, 0.0),  # no position at all
+    ],
+)
+def test_channel_code_round_trips_in_exactly_its_size(channels, per, k, crowd):
+    pos = _support(channels, per, k, crowd)
+    counts = channel_counts(pos, channels, per)
+    assert counts.sum() == k and counts.numel() == channels
+    header = encode_counts(counts, per)
+    assert header.dtype == torch.uint8 and header.numel() == counts_nbytes(channels, per)
+    assert torch.equal(decode_counts(header, channels, per), counts)
+    code = encode_channel_positions(pos, counts, per)
+    assert code.dtype == torch.uint8 and code.numel() == int(channel_code_nbytes(counts, per))
+    assert torch.equal(decode_channel_positions(code, counts, per), pos)
+
+
+def test_channel_sizes_come_per_rank_from_stacked_counts():
+    """Every rank computes every rank's code size from the gathered counts, in one call."""
+    per = 576
+    counts = torch.stack([channel_counts(_support(64, per, 900, c, seed=c), 64, per) for c in (0, 4, 8)])
+    sizes = channel_code_nbytes(counts, per)
+    assert sizes.shape == (3,)
+    assert sizes.tolist() == [int(channel_code_nbytes(row, per)) for row in counts]
+
+
+def test_a_dense_channel_travels_as_its_bitmap():
+    """A channel holding most of its positions costs its width in bits, not an Elias-Fano code's
+    ``count + width`` (and the round trip still holds)."""
+    per = 64
+    pos = torch.cat([torch.arange(0, 60), torch.tensor([64 + 5])])  # 60 of channel 0, 1 of channel 1
+    counts = channel_counts(pos, 2, per)
+    bitmap_bits, ef_bits = per, 1 * (6 + 1) + ((per - 1) >> 6) + 1
+    assert int(channel_code_nbytes(counts, per)) == -(-(bitmap_bits + ef_bits) // 8)
+    assert torch.equal(decode_channel_positions(encode_channel_positions(pos, counts, per), counts, per), pos)
+
+
+def test_crowded_channels_take_fewer_bytes_than_one_code_over_the_layer():
+    channels, per, k = 64, 576, 2580  # 7 % of a 3x3 conv with 64 input channels
+    crowded = _support(channels, per, k, crowd=6.0)
+    even = _support(channels, per, k, crowd=0.0)
+    layer = encoded_nbytes(choose_encoding("auto", k, channels * per), k, channels * per)
+    header = counts_nbytes(channels, per)
+    assert header + int(channel_code_nbytes(channel_counts(crowded, channels, per), per)) < 0.9 * layer
+    # spread evenly there is nothing to gain: the counts' header is then a cost
+    assert header + int(channel_code_nbytes(channel_counts(even, channels, per), per)) > layer
