@@ -80,3 +80,13 @@ def test_crowded_channels_take_fewer_bytes_than_one_code_over_the_layer():
     assert header + int(channel_code_nbytes(channel_counts(crowded, channels, per), per)) < 0.9 * layer
     # spread evenly there is nothing to gain: the counts' header is then a cost
     assert header + int(channel_code_nbytes(channel_counts(even, channels, per), per)) > layer
+
+
+def test_a_corrupt_channel_code_is_refused():
+    """A code with fewer high parts than its counts promise raises instead of decoding positions
+    that were never sent."""
+    pos = _support(8, 100, 40, crowd=2.0)
+    counts = channel_counts(pos, 8, 100)
+    code = encode_channel_positions(pos, counts, 100)
+    with pytest.raises(ValueError, match="corrupt position code"):
+        decode_channel_positions(torch.zeros_like(code), counts, 100)
