@@ -702,3 +702,38 @@ def test_the_channel_position_code_trains_bit_for_bit_as_the_layer_code_and_send
             assert 4 * n_flags + header < nbytes <= nbytes_l + header
             channel_total, layer_total = channel_total + nbytes, layer_total + nbytes_l
     assert channel_total < layer_total  # the MLP's gradient rows crowd (its inputs share most of each batch)
+
+
+def _union_names_both_codes(rank: int, world: int) -> dict:
+    """One stage-2 bucket of a union support on a (30, 100) weight whose large values crowd into
+    a few channels, once per position code: the support, who named what, and the bytes sent."""
+    from lightning_gradcomp.codecs.base import CodecContext, RoundContext
+
+    out = {}
+    x = torch.randn(30, 100, generator=torch.Generator().manual_seed(10 + rank))
+    x[: 3 + rank] *= 20  # each rank's large values in its own first few channels
+    x = x.reshape(-1)
+    for code in ("channel", "layer"):
+        codec = LGCCodec(
+            support="union", selection="exact", warmup_steps=2, ae_train_steps=4, ratio=RATIO, position_code=code
+        )
+        ctx = CodecContext(rank, world, torch.device("cpu"))
+        codec.setup(ctx)
+        prepared = codec.prepare_bucket([("w", x.clone(), torch.zeros(30, 100))], RoundContext(step=3, comm=ctx))
+        shared = prepared.per_layer["w"]
+        out[code] = {"support": shared.support, "named": shared.named, "nbytes": prepared.nbytes}
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_channel_position_code_gives_every_rank_the_same_union_as_the_layer_code(world):
+    res = run_gloo(_union_names_both_codes, world_size=world, timeout=120)
+    m = math.ceil(math.ceil(RATIO * 3000) / world)
+    layer = encoded_nbytes(choose_encoding("auto", m, 3000), m, 3000)
+    for r in res:
+        assert torch.equal(r["channel"]["support"], res[0]["layer"]["support"])
+        assert torch.equal(r["channel"]["named"], res[0]["layer"]["named"])
+        assert r["layer"]["nbytes"] == layer
+        # the counts, then the longest rank's names; crowded names cost less than the layer code
+        assert counts_nbytes(30, 100) < r["channel"]["nbytes"] < layer
+    assert len({r["channel"]["nbytes"] for r in res}) == 1  # padded to the longest: equal on every rank
