@@ -768,19 +768,19 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 parts.append(encode_counts(counts[i], ch[1]))
             elif not by_channel:
                 parts.append(encode_positions(idx, n, e))
-        first = 4 * n_flags + sum(
-            counts_nbytes(*ch) if ch is not None else (0 if by_channel else b) for ch, b in zip(channels, code_bytes)
-        )
-        msg = torch.cat(parts) if first else torch.empty(0, dtype=torch.uint8, device=device)
+        msg = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+        first = msg.numel()
         rows = self.context.all_gather(msg)
         # reshape, not contiguous(): one rank's (1, n) slice counts as contiguous with its row
         # stride, and a dtype view needs the bytes to follow one another
         flag_rows = rows[:, : 4 * n_flags].reshape(-1).view(torch.float32).view(world, n_flags)
         passed = flag_rows.amin(0).tolist() if n_flags else []
         if by_channel:  # a second round: the names, their sizes fixed by the counts
-            names, second = self._gather_channel_names(mine, rows, 4 * n_flags, channels, counts, encodings, numels)
+            names, second = self._gather_channel_names(
+                mine, rows, 4 * n_flags, channels, counts, encodings, code_bytes, numels
+            )
         else:
-            names, second = self._names_in(rows, 4 * n_flags, mine, encodings, numels), 0
+            names, second = self._names_in(rows, 4 * n_flags, mine, encodings, code_bytes, numels), 0
         shared: dict[str, _Shared] = {}
         off_f = 0
         for i, ((key, _, _), k, m, a, n) in enumerate(zip(layers, sizes, named_sizes, use_code, numels)):
@@ -799,13 +799,19 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         return Prepared(first + second, shared, collective="allgather")
 
     def _names_in(
-        self, rows: Tensor, offset: int, mine: list[Tensor], encodings: list[str], numels: list[int]
+        self,
+        rows: Tensor,
+        offset: int,
+        mine: list[Tensor],
+        encodings: list[str],
+        code_bytes: list[int],
+        numels: list[int],
     ) -> list[list[Tensor]]:
-        """Every rank's names from its gathered row of one code over each layer (the layer code),
-        starting at byte ``offset``: per layer, per rank (this rank's own as they were)."""
+        """Every rank's names from its gathered row of one code over each layer (the layer code,
+        ``code_bytes`` a layer), starting at byte ``offset``: per layer, per rank (this rank's own
+        as they were)."""
         names = []
-        for idx, e, n in zip(mine, encodings, numels):
-            b = encoded_nbytes(e, idx.numel(), n)
+        for idx, e, b, n in zip(mine, encodings, code_bytes, numels):
             names.append(
                 [
                     idx if r == self.rank else decode_positions(rows[r, offset : offset + b], idx.numel(), n, e)
@@ -823,11 +829,12 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         channels: list[tuple[int, int] | None],
         counts: list[Tensor | None],
         encodings: list[str],
+        code_bytes: list[int],
         numels: list[int],
     ) -> tuple[list[list[Tensor]], int]:
         """``position_code="channel"``: every rank's counts (read from the first all-gather) fix
         its code sizes; a weight's names travel in the channel code where that is smaller than
-        the layer code. Returns the names per layer and rank, and the bytes of the second
+        the layer code (``code_bytes``). Returns the names per layer and rank, and the bytes of the second
         all-gather (this rank's message, padded to the longest)."""
         world, device = self.world_size, rows.device
         all_counts: list[Tensor | None] = []
@@ -841,17 +848,14 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             all_counts.append(gathered)
             sizes.append(channel_code_nbytes(gathered, ch[1]))
             offset += b
-        channel_sizes = torch.stack(sizes).tolist() if sizes else []  # (weights, ranks): one host read
-        layer_sizes = [encoded_nbytes(e, m.numel(), n) for m, e, n in zip(mine, encodings, numels)]
+        channel_sizes = iter(torch.stack(sizes).tolist() if sizes else [])  # (weights, ranks): one host read
         # per layer and rank: the code's bytes, and whether it is the channel code
-        plan: list[list[tuple[int, bool]]] = []
-        j = 0
-        for ch, lb in zip(channels, layer_sizes):
-            if ch is None:
-                plan.append([(lb, False)] * world)
-                continue
-            plan.append([(cb, True) if cb < lb else (lb, False) for cb in channel_sizes[j]])
-            j += 1
+        plan: list[list[tuple[int, bool]]] = [
+            [(lb, False)] * world
+            if ch is None
+            else [(cb, True) if cb < lb else (lb, False) for cb in next(channel_sizes)]
+            for ch, lb in zip(channels, code_bytes)
+        ]
         longest = max(sum(p[r][0] for p in plan) for r in range(world))
         parts = []
         for i, (idx, ch, e, n) in enumerate(zip(mine, channels, encodings, numels)):
