@@ -119,12 +119,13 @@ def test_what_a_rank_sent_and_keeps_is_what_it_computed(plain_runs):
     of each step's ``|g| + |e|``, where a lost residual would miss by about 2^-9 of the values."""
     rows = plain_runs["bfloat16"][1]
     for name in rows[0]["own"]:
-        f64 = [{k: r[k][name].double() for k in ("own", "before", "after")} for r in rows]
-        sent = sum(r["own"] + (r["before"] if r["before"].numel() else 0) - r["after"] for r in f64)
-        computed = sum(r["own"] for r in f64)
-        rounding = sum(r["own"].abs() + (r["before"].abs() if r["before"].numel() else 0) for r in f64)
-        assert f64[-1]["after"].abs().max() > 0  # there is a residual to keep
-        assert bool(((sent + f64[-1]["after"] - computed).abs() <= 2**-22 * rounding).all())
+        f64 = [{k: {name: r[k][name].double()} for k in ("own", "before", "after")} for r in rows]
+        sent = sum(_sent(r, name) for r in f64)
+        computed = sum(r["own"][name] for r in f64)
+        rounding = sum(r["own"][name].abs() + (e.abs() if (e := r["before"][name]).numel() else 0) for r in f64)
+        kept = f64[-1]["after"][name]
+        assert kept.abs().max() > 0  # there is a residual to keep
+        assert bool(((sent + kept - computed).abs() <= 2**-22 * rounding).all())
 
 
 def test_without_error_feedback_bfloat16_plain_steps_keep_nothing():
