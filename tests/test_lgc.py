@@ -408,6 +408,7 @@ class StagesSeen(Callback):
         codec = trainer.strategy.codec
         record = {"stages": self.stages, "total": codec.run_total_steps, "trained": codec.ae_trained}
         record["options"] = [codec.options.ratio, codec.harness.dense_dtype, codec.options.max_recon_error]
+        record["plain_dtype"] = codec.harness.plain_dtype
         record["light_ratio"] = codec.options.light_ratio
         record["support"] = codec.options.support
         record["dense"] = sorted(codec.dense_keys)
@@ -451,10 +452,12 @@ def test_default_stages_are_fractions_of_the_run(tmp_path, optimizer, options):
             assert seen[rank]["options"] == [0.14, "bfloat16", 0.35] and seen[rank]["dense"] == []
             assert seen[rank]["support"] == "union"  # every rank names its share of the support
             assert seen[rank]["light_ratio"] == 0.5  # the light steps keep half of each layer
+            assert seen[rank]["plain_dtype"] == "bfloat16"  # what travels exactly, from stage 1 on
             assert seen[rank]["lr_reference"] == ["peak"]
         else:
             assert seen[rank]["options"] == [0.0075, "bfloat16", 0.3]
             assert seen[rank]["support"] == "leader" and seen[rank]["light_ratio"] is None
+            assert seen[rank]["plain_dtype"] == "float32"
             assert seen[rank]["dense"] == ["net.4.bias", "net.4.weight"]
             assert seen[rank]["lr_reference"] == ["previous"]
         assert ("net.4.weight" in seen[rank]["compressed"]) is (optimizer == "adamw")
@@ -485,6 +488,7 @@ def test_lgc_beside_adamw_runs_its_defaults_as_written_out(tmp_path):
         "dense_layers": "none",
         "max_recon_error": 0.35,
         "support": "union",
+        "plain_dtype": "bfloat16",
     }
     runs = [("defaults", {}, None), ("written", written_out, {"lr_reference": "peak"})]
     runs.append(("leader", {"support": "leader"}, None))  # the previous version's support, given

@@ -193,6 +193,14 @@ def test_lgc_beside_adam_keeps_a_denser_support_unless_told_otherwise():
     assert codec.options.light_ratio == 0.5  # the light steps keep half of each layer
     assert codec.options.max_recon_error == 0.35  # the guard's threshold for 2-bit levels at 7 %
     assert codec.options.support == "union"  # every rank names its share of the support
+    # what travels exactly goes in bfloat16, with error feedback to keep each rank's rounding;
+    # without it, or given in fp32, it stays in fp32
+    assert codec.harness.plain_dtype == "bfloat16"
+    assert (
+        _strategy_beside("adamw", codec="lgc", codec_options={"error_feedback": False}).harness.plain_dtype == "float32"
+    )
+    given = _strategy_beside("adamw", codec="lgc", codec_options={"plain_dtype": "float32"})
+    assert given.harness.plain_dtype == "float32" and given.options.ratio == 0.14
     # the union is for the 2-bit levels: a support the user chose, or the autoencoder's code (which
     # decodes the leader's support), keeps the leader's
     for given in ({"support": "leader"}, {"code": "autoencoder"}):
@@ -207,7 +215,7 @@ def test_lgc_beside_adam_keeps_a_denser_support_unless_told_otherwise():
     codec = _strategy_beside("sgd", codec="lgc")  # lgc's dense layers go in bfloat16 with any optimizer
     sgd = (codec.options.ratio, codec.harness.dense_dtype, codec.harness.dense_layers)
     assert sgd == (0.0075, "bfloat16", ("auto",)) and codec.options.max_recon_error == 0.3
-    assert codec.options.support == "leader"
+    assert codec.options.support == "leader" and codec.harness.plain_dtype == "float32"
     # what the user set stays; a codec built by the user is kept as it is
     codec = _strategy_beside(
         "adamw", codec="lgc", codec_options={"ratio": 0.02, "dense_dtype": "float32", "dense_layers": "auto"}
@@ -281,6 +289,11 @@ def test_a_resumed_run_takes_what_its_checkpoint_took_beside_adam_and_names_opti
     strategy = _set_up_beside("adamw", codec="lgc", resumed_from={"optimizer_defaults": recorded})
     options = strategy.codec.options
     assert (options.ratio, options.support, options.light_ratio) == (0.07, "union", None)
+    # and one that took the 14 % union but not yet bfloat16 for what travels exactly goes on in fp32
+    recorded["options"].update(ratio=0.14, light_ratio=0.5)
+    strategy = _set_up_beside("adamw", codec="lgc", resumed_from={"optimizer_defaults": recorded})
+    assert strategy.codec.options.ratio == 0.14 and strategy.codec.harness.plain_dtype == "float32"
+    assert _set_up_beside("adamw", codec="lgc").codec.harness.plain_dtype == "bfloat16"
     # an earlier version's checkpoint records only its options: their values, the default rule
     saved = {"options": {**make_codec("lgc").config(), "ratio": 0.03}}
     strategy = _set_up_beside("adamw", codec="lgc", resumed_from=saved)

@@ -293,13 +293,15 @@ PREVIOUS_OPTIONS = {"lgc": {"dense_dtype": "float32", "ratio": 0.01}}
 # support alone
 PREVIOUS_ADAMW = HERE / "data" / "checkpoints_ee6e149" / "lgc_adamw.ckpt"
 # what that version ran with beside AdamW (a leader's support, which a support given keeps, and
-# the plain light level, ten times the support up to 25 %: None given keeps it)
+# the plain light level, ten times the support up to 25 %: None given keeps it, and what travels
+# exactly in fp32)
 PREVIOUS_ADAMW_OPTIONS = {
     "ratio": 0.03,
     "dense_layers": "auto",
     "max_recon_error": 0.3,
     "support": "leader",
     "light_ratio": None,
+    "plain_dtype": "float32",
 }
 
 
@@ -478,6 +480,7 @@ def test_lgc_beside_adamw_resumes_like_an_uninterrupted_run(resume_results) -> N
     # and what the run took there, which a resumed run takes again
     recorded = saved["gradcomp"]["optimizer_defaults"]
     taken = {"ratio": 0.14, "dense_layers": ["none"], "max_recon_error": 0.35, "support": "union", "light_ratio": 0.5}
+    taken["plain_dtype"] = "bfloat16"
     assert recorded == {"options": taken, "controller": {"lr_reference": "peak"}}
     _assert_continues_exactly(full, resumed, "lgc")
 

@@ -128,7 +128,8 @@ class HarnessOptions(CodecOptions):
             travels with the next step, so what a rank sends plus what it keeps is what it
             computed. Only the rounding of the plain all-reduce's bfloat16 sum itself (at most
             2^-8 of it, the same on every rank) is not kept. Gradients that are not fp32 travel in
-            their own dtype.
+            their own dtype. ``lgc`` beside an Adam-like optimizer takes ``"bfloat16"`` by default
+            when error feedback is on (its ``adaptive_optimizer_defaults``).
     """
 
     error_feedback: bool = False
