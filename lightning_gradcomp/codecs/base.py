@@ -355,8 +355,9 @@ class Codec:
 
     def optimizer_defaults(self) -> dict[str, Any]:
         """The :attr:`adaptive_optimizer_defaults` that apply to this codec as configured: all of
-        them, unless one depends on another of its options."""
-        return dict(self.adaptive_optimizer_defaults)
+        them, unless one depends on another of its options or on error feedback
+        (:func:`harness_defaults_that_apply`)."""
+        return harness_defaults_that_apply(self.adaptive_optimizer_defaults, self.harness.error_feedback)
 
     def _check_harness_for_codec(self) -> None:
         """The harness options this codec cannot run with: the harness's own rule, then the codec's."""

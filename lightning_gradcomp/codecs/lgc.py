@@ -442,9 +442,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         a user's ``ratio`` above the default light level keeps its own light level, and a user's
         ``light_ratio`` below the default support caps the support at it. The exact values go in
         bfloat16 only with error feedback, which keeps each rank's rounding for the next step."""
-        defaults = dict(self.adaptive_optimizer_defaults)
-        if not self.harness.error_feedback:
-            del defaults["plain_dtype"]
+        defaults = super().optimizer_defaults()
         if self.options.code != "levels":
             del defaults["support"]
         if self.options.ratio > defaults["light_ratio"]:

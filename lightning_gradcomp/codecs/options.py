@@ -164,15 +164,22 @@ class HarnessOptions(CodecOptions):
         check_choice("plain_dtype", self.plain_dtype, DENSE_DTYPES)
 
 
+#: harness options that a codec sets by default only where error feedback is on: a default
+#: ``lr_scaled_feedback`` rescales the residual, and a default ``plain_dtype="bfloat16"`` relies on
+#: it to keep each rank's rounding
+NEED_ERROR_FEEDBACK = frozenset({"lr_scaled_feedback", "plain_dtype"})
+
+
 def harness_defaults_that_apply(defaults: Mapping[str, Any], error_feedback: bool) -> dict[str, Any]:
-    """The harness options a codec sets by default (``harness_defaults``, or those it takes with the
-    level controller, ``adaptive_harness_defaults``) that apply to a run with or without
-    ``error_feedback``. A default ``lr_scaled_feedback`` rescales the error-feedback residual, so
-    without error feedback it is dropped; a user's own ``lr_scaled_feedback=True`` without error
-    feedback is not passed through here and fails :meth:`HarnessOptions.check`."""
+    """The options a codec sets by default (``harness_defaults``, those it takes with the level
+    controller, ``adaptive_harness_defaults``, or beside an Adam-like optimizer,
+    ``adaptive_optimizer_defaults``) that apply to a run with or without ``error_feedback``:
+    without it, those of :data:`NEED_ERROR_FEEDBACK` are dropped. A user's own
+    ``lr_scaled_feedback=True`` without error feedback is not passed through here and fails
+    :meth:`HarnessOptions.check`; a user's own ``plain_dtype`` is taken as given."""
     if error_feedback:
         return dict(defaults)
-    return {k: v for k, v in defaults.items() if k != "lr_scaled_feedback"}
+    return {k: v for k, v in defaults.items() if k not in NEED_ERROR_FEEDBACK}
 
 
 # --------------------------------------------------------------------------------------------------
