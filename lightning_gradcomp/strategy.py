@@ -270,9 +270,10 @@ class CompressedDDPStrategy(DDPStrategy):
         one; ``adaptive_level=True`` narrowed it to about four for ``lgc`` with its learned code
         carrying the values, and ``lgc``'s defaults beside Adam (its
         ``adaptive_optimizer_defaults``: a union support of 14 %, half of each layer at the
-        light steps, the end layers compressed, the controller's peak rule, the guard at 0.35;
-        what travels exactly in bfloat16 since, at -0.07 on fresh seeds) to 1.3 over eight
-        seeds, where PowerSGD under the same controller and rule lost 0.6
+        light steps, the end layers compressed, the controller's peak rule, the guard at 0.35)
+        to 1.3 over eight seeds, where PowerSGD under the same controller and rule lost 0.6
+        (since then what travels exactly goes in bfloat16 there too: -0.07 against fp32 on four
+        fresh seeds)
         (docs/codecs/lgc.md, "Beside Adam"). SGD with
         momentum is no remedy there: the same
         recipe with SGD lost 13.6 points with ``lgc``. A warning, not an error: nothing is wrong,
