@@ -14,7 +14,13 @@ from torch import nn
 from lightning_gradcomp.codecs import levels
 from lightning_gradcomp.codecs.bits import codes_nbytes
 from lightning_gradcomp.codecs.lgc import LGCCodec
-from lightning_gradcomp.codecs.positions import choose_encoding, counts_nbytes, encoded_nbytes
+from lightning_gradcomp.codecs.positions import (
+    channel_counts,
+    choose_encoding,
+    counts_nbytes,
+    encoded_nbytes,
+    rice_fields,
+)
 
 RATIO = 0.1
 WARMUP, COLLECT, STAGE3 = 3, 8, 3
@@ -193,14 +199,17 @@ def _train_levels(
     opts = dict(warmup_steps=WARMUP, ae_train_steps=COLLECT, ratio=RATIO, min_numel=1000, dense_layers="none")
     opts.update(refit_every=refit_every, code_denser=code_denser, **(extra or {}))
     state, hook = make_comm_hook("lgc", ddp, stats_every=1, **opts)
-    buckets = []  # (step, bytes, supports, on a union support each rank's count of names)
+    buckets = []  # (step, bytes, supports, on a union support each rank's count of names, and the names)
     prepare = state.codec.prepare_bucket
 
     def recording_prepare(layers, rc):
         prepared = prepare(layers, rc)
         supports = {key: sh.support.clone() for key, sh in prepared.per_layer.items()}
         named = {key: int(sh.named[0].sum()) for key, sh in prepared.per_layer.items() if sh.named is not None}
-        buckets.append((rc.step, prepared.nbytes, supports, named))
+        names = {
+            key: [sh.support[who] for who in sh.named] for key, sh in prepared.per_layer.items() if sh.named is not None
+        }
+        buckets.append((rc.step, prepared.nbytes, supports, named, names))
         return prepared
 
     state.codec.prepare_bucket = recording_prepare
@@ -662,18 +671,25 @@ def test_a_union_support_carries_every_layer_identically_on_two_ranks_with_exact
         assert carried == total and 2 * (support // 2) <= total <= 2 * support  # two steps, union of halves
 
 
-def _train_union_with_both_position_codes(rank: int, world: int) -> dict:
+def _train_union_with_every_position_code(rank: int, world: int) -> dict:
     return {
         code: _train_levels(rank, world, True, 0, STAGE3, True, {"support": "union", "position_code": code})
-        for code in ("channel", "layer")
+        for code in ("rice", "channel", "layer")
     }
 
 
-def test_the_channel_position_code_trains_bit_for_bit_as_the_layer_code_and_sends_what_its_counts_say():
+@pytest.fixture(scope="module")
+def union_runs_by_position_code():
+    return run_gloo(_train_union_with_every_position_code, world_size=2, timeout=300)
+
+
+def test_the_channel_position_code_trains_bit_for_bit_as_the_layer_code_and_sends_what_its_counts_say(
+    union_runs_by_position_code,
+):
     """On a union support the names per output channel are lossless (every step's aggregate the
     same, bit for bit, as with one code over the layer), and a bucket sends its flags, every
     weight's counts, and the longest rank's names, each weight in the smaller of its two codes."""
-    res = run_gloo(_train_union_with_both_position_codes, world_size=2, timeout=300)
+    res = union_runs_by_position_code
     weights = {key: tuple(p.shape) for key, p in _mlp().named_parameters() if p.dim() == 2}
     channel_total = layer_total = 0
     for r in res:
@@ -681,7 +697,7 @@ def test_the_channel_position_code_trains_bit_for_bit_as_the_layer_code_and_send
         for a, b in zip(by_channel["rows"], by_layer["rows"], strict=True):
             assert a["identical"] and torch.equal(a["grads"], b["grads"])
         assert len(by_channel["buckets"]) == len(by_layer["buckets"]) > 0
-        for (step, nbytes, supports, named), (_, nbytes_l, supports_l, _) in zip(
+        for (step, nbytes, supports, named, _), (_, nbytes_l, supports_l, _, _) in zip(
             by_channel["buckets"], by_layer["buckets"]
         ):
             assert supports.keys() == supports_l.keys()
@@ -704,6 +720,40 @@ def test_the_channel_position_code_trains_bit_for_bit_as_the_layer_code_and_send
     assert channel_total < layer_total  # the MLP's gradient rows crowd (its inputs share most of each batch)
 
 
+def test_the_rice_position_code_trains_bit_for_bit_and_sends_the_gaps_of_every_ranks_names(union_runs_by_position_code):
+    """The default position code, the gaps of each rank's names in a Rice code, is lossless (every
+    step's aggregate the same, bit for bit, as with the other codes), and a bucket sends its flags,
+    every weight's counts, each rank's code length (4 bytes), then the longest rank's code: every
+    coded layer's low bits and one unary field of their quotients, as the names each rank sent
+    give them. It sends fewer bytes than the Elias-Fano code per channel."""
+    res = union_runs_by_position_code
+    weights = {key: tuple(p.shape) for key, p in _mlp().named_parameters() if p.dim() == 2}
+    rice_total = channel_total = 0
+    for r in res:
+        by_rice, by_channel = r["rice"], r["channel"]
+        for a, b in zip(by_rice["rows"], by_channel["rows"], strict=True):
+            assert a["identical"] and torch.equal(a["grads"], b["grads"])
+        for (step, nbytes, supports, _, names), (_, nbytes_c, supports_c, _, _) in zip(
+            by_rice["buckets"], by_channel["buckets"], strict=True
+        ):
+            if not supports:  # stage 1: a plain all-reduce
+                assert nbytes == nbytes_c == 0
+                continue
+            n_flags = by_rice["rows"][step]["used"][1]
+            header, code_bits = 0, [0, 0]
+            for key, support in supports.items():
+                assert torch.equal(support, supports_c[key])
+                channels, per = weights[key]
+                header += counts_nbytes(channels, per)
+                for rank, own in enumerate(names[key]):
+                    assert torch.equal(own, own.sort().values)
+                    lows, quotients = rice_fields(own, channel_counts(own, channels, per), per)
+                    code_bits[rank] += lows.numel() + int((quotients + 1).sum())
+            assert nbytes == 4 * n_flags + header + 4 + -(-max(code_bits) // 8)
+            rice_total, channel_total = rice_total + nbytes, channel_total + nbytes_c
+    assert rice_total < channel_total
+
+
 def _union_names_both_codes(rank: int, world: int) -> dict:
     """One stage-2 bucket of a union support on a (30, 100) weight whose large values crowd into
     a few channels, once per position code: the support, who named what, and the bytes sent."""
@@ -713,7 +763,7 @@ def _union_names_both_codes(rank: int, world: int) -> dict:
     x = torch.randn(30, 100, generator=torch.Generator().manual_seed(10 + rank))
     x[: 3 + rank] *= 20  # each rank's large values in its own first few channels
     x = x.reshape(-1)
-    for code in ("channel", "layer"):
+    for code in ("rice", "channel", "layer"):
         codec = LGCCodec(
             support="union", selection="exact", warmup_steps=2, ae_train_steps=4, ratio=RATIO, position_code=code
         )
@@ -726,7 +776,7 @@ def _union_names_both_codes(rank: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_the_channel_position_code_gives_every_rank_the_same_union_as_the_layer_code(world):
+def test_the_rice_and_channel_position_codes_give_every_rank_the_same_union_as_the_layer_code(world):
     res = run_gloo(_union_names_both_codes, world_size=world, timeout=120)
     m = math.ceil(math.ceil(RATIO * 3000) / world)
     layer = encoded_nbytes(choose_encoding("auto", m, 3000), m, 3000)
@@ -736,4 +786,15 @@ def test_the_channel_position_code_gives_every_rank_the_same_union_as_the_layer_
         assert r["layer"]["nbytes"] == layer
         # the counts, then the longest rank's names; crowded names cost less than the layer code
         assert counts_nbytes(30, 100) < r["channel"]["nbytes"] < layer
-    assert len({r["channel"]["nbytes"] for r in res}) == 1  # padded to the longest: equal on every rank
+        assert torch.equal(r["rice"]["support"], res[0]["layer"]["support"])
+        assert torch.equal(r["rice"]["named"], res[0]["layer"]["named"])
+        # the counts, each rank's code length, then the longest rank's Rice code (the 4 bytes of
+        # length can cost more than the gaps save on a bucket this small)
+        longest = 0
+        for who in r["rice"]["named"]:
+            own = r["rice"]["support"][who]
+            lows, quotients = rice_fields(own, channel_counts(own, 30, 100), 100)
+            longest = max(longest, lows.numel() + int((quotients + 1).sum()))
+        assert r["rice"]["nbytes"] == counts_nbytes(30, 100) + 4 + -(-longest // 8)
+    for code in ("rice", "channel"):  # padded to the longest: equal on every rank
+        assert len({r[code]["nbytes"] for r in res}) == 1

@@ -1,4 +1,4 @@
-"""The per-channel position code: exact sizes, lossless round trips, and where it beats one code."""
+"""The per-channel position codes: exact sizes, lossless round trips, and where they beat one code."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ from lightning_gradcomp.codecs.positions import (
     encode_channel_positions,
     encode_counts,
     encoded_nbytes,
+    quotients_of,
+    rice_fields,
+    rice_low_bits,
+    rice_positions,
+    rice_widths,
+    unary_bits,
 )
 
 
@@ -90,3 +96,72 @@ def test_a_corrupt_channel_code_is_refused():
     code = encode_channel_positions(pos, counts, 100)
     with pytest.raises(ValueError, match="corrupt position code"):
         decode_channel_positions(torch.zeros_like(code), counts, 100)
+
+
+# The Rice code of the gaps (position_code="rice", lgc's default on a union support).
+
+
+def _rice_round_trip(layers: list[tuple[torch.Tensor, torch.Tensor, int]]) -> list[torch.Tensor]:
+    """Several layers' names in one message, as ``lgc`` sends them: every layer's low bits, then
+    one unary field of every quotient, then the zeros that pad a message to the longest rank's."""
+    fields = [rice_fields(pos, counts, per) for pos, counts, per in layers]
+    bits = torch.cat([low for low, _ in fields] + [unary_bits(torch.cat([q for _, q in fields]))])
+    bits = torch.cat([bits, torch.zeros(21, dtype=torch.bool)])
+    low_bits = [rice_low_bits(counts, per) for _, counts, per in layers]
+    assert low_bits == [low.numel() for low, _ in fields]
+    k_all = [pos.numel() for pos, _, _ in layers]
+    quotients = quotients_of(bits[sum(low_bits) :], sum(k_all)).split(k_all)
+    lows = bits[: sum(low_bits)].split(low_bits)
+    return [rice_positions(low, q, counts, per) for low, q, (_, counts, per) in zip(lows, quotients, layers)]
+
+
+@pytest.mark.parametrize(
+    "channels, per, k, crowd",
+    [
+        (64, 576, 369, 0.0),
+        (64, 576, 5000, 8.0),  # full, dense and empty channels side by side
+        (10, 512, 51, 2.0),
+        (3, 4, 1, 0.0),
+        (128, 9, 300, 3.0),
+        (16, 100, 0, 0.0),  # no position at all
+        (1, 3000, 1000, 0.0),  # a vector: one channel
+    ],
+)
+def test_rice_code_of_several_layers_round_trips(channels, per, k, crowd):
+    pos = _support(channels, per, k, crowd)
+    other = _support(7, 50, 20, 1.0, seed=3)
+    layers = [(pos, channel_counts(pos, channels, per), per), (other, channel_counts(other, 7, 50), 50)]
+    back = _rice_round_trip(layers)
+    assert torch.equal(back[0], pos) and torch.equal(back[1], other)
+
+
+def test_rice_widths_follow_the_density():
+    """About ``log2(0.48 / p) + 1`` bits of each gap verbatim: 3 at the heavy steps' 7 %, 1 at the
+    light steps' 25 %, none for a channel named mostly, whose code then costs at most its width."""
+    per = 1000
+    assert rice_widths(torch.tensor([70, 250, 500, 1000]), per).tolist() == [3, 1, 0, 0]
+    pos = torch.arange(0, 1000, 2)  # half of one channel
+    low, quotients = rice_fields(pos, torch.tensor([500]), per)
+    assert low.numel() == 0 and int((quotients + 1).sum()) <= per
+
+
+def test_rice_takes_fewer_bits_than_elias_fano_and_nearly_the_entropy():
+    """On names spread evenly over 3x3-kernel channels, at the heavy and the light steps' density,
+    the Rice code of the gaps takes fewer bits than Elias-Fano per channel, and no more than 3 %
+    above the binary entropy of each channel's count (the least any code of the set can take)."""
+    channels, per = 128, 576
+    for fraction in (0.07, 0.25):
+        k = int(fraction * channels * per)
+        pos = _support(channels, per, k, crowd=0.0, seed=1)
+        counts = channel_counts(pos, channels, per)
+        low, quotients = rice_fields(pos, counts, per)
+        rice = low.numel() + int((quotients + 1).sum())
+        elias_fano = 8 * int(channel_code_nbytes(counts, per))
+        p = counts.double() / per
+        entropy = float((-(p * p.log2() + (1 - p) * (1 - p).log2()) * per).sum())
+        assert rice < 0.95 * elias_fano and rice < 1.03 * entropy, (fraction, rice, elias_fano, entropy)
+
+
+def test_a_corrupt_rice_code_is_refused():
+    with pytest.raises(ValueError, match="corrupt position code"):
+        quotients_of(torch.zeros(40, dtype=torch.bool), 5)

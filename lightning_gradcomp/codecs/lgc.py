@@ -94,6 +94,7 @@ from lightning_gradcomp.codecs.base import (
     geometric_level,
     run_steps,
 )
+from lightning_gradcomp.codecs.bits import pack_mask, unpack_mask
 from lightning_gradcomp.codecs.lgc_autoencoder import GradientAutoencoder
 from lightning_gradcomp.codecs.lgc_learning import LearnedCode
 from lightning_gradcomp.codecs.positions import (
@@ -108,6 +109,11 @@ from lightning_gradcomp.codecs.positions import (
     encode_counts,
     encode_positions,
     encoded_nbytes,
+    quotients_of,
+    rice_fields,
+    rice_low_bits,
+    rice_positions,
+    unary_bits,
     union_of,
 )
 from lightning_gradcomp.codecs.powersgd import PowerSGDCodec
@@ -123,7 +129,7 @@ CODES = ("levels", "autoencoder")
 VARIANTS = ("rar", "ps")
 SELECTIONS = ("sampled", "exact")
 SUPPORTS = ("leader", "union")
-POSITION_CODES = ("channel", "layer")
+POSITION_CODES = ("rice", "channel", "layer")
 WARMUP_CODECS = ("allreduce", "powersgd", "terngrad")
 #: the paper's stage lengths (SOFF: 200 dense rounds, 300 collecting), the caps of fractions
 WARMUP_CAP, AE_TRAIN_CAP = 200, 300
@@ -175,7 +181,7 @@ class LGCOptions(CodecOptions):
     ae_train_steps: int | float = 0.1
     ratio: float = 7.5e-3
     support: str = "leader"
-    position_code: str = "channel"
+    position_code: str = "rice"
     light_ratio: float | None = None
     light_code_bits: int | None = None
     density_warmup: int | float = 0
@@ -304,18 +310,20 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             support over eight seeds (-0.09 mIoU) at 16 % fewer bytes, and with ``ratio=0.14`` and
             ``light_ratio=0.5`` (the defaults there) +0.96 above it (docs/codecs/lgc.md, "Beside
             Adam: a union support").
-        position_code: how each rank's names travel on a union support: ``"channel"`` (default;
-            each output channel's count, then per channel an Elias-Fano code or a bitmap, per
-            layer where that is smaller than one code over the layer; two all-gathers, the counts
-            first) or ``"layer"`` (one Elias-Fano code or bitmap over the layer, whose size follows
-            from ``k`` alone; one all-gather). Lossless either way: the same names, the same
-            training. A gradient's large values crowd into some channels, so the channel code is
-            mostly the smaller: on PSPNet/CamVid beside AdamW a fully coded heavy step 47.2x
-            smaller than fp32 on average instead of 44.7x, and 2.4 % fewer bytes over the run, at
-            the same mIoU to the last digit (docs/codecs/lgc.md, "Beside Adam: the names per
-            channel"). On a link with a long round trip the extra all-gather can cost more than
-            the bytes save. The leader's broadcast (``support="leader"``) keeps one code over the
-            layer: there, on ResNet-18 at 1 %, the counts cost more than the channels saved.
+        position_code: how each rank's names travel on a union support: ``"rice"`` (default;
+            each output channel's count, then the gaps between the channel's names in a Rice code
+            whose parameter follows from the count; two all-gathers, the counts and each rank's
+            code length first), ``"channel"`` (the counts, then per channel an Elias-Fano code or
+            a bitmap, per layer where that is smaller than one code over the layer; two
+            all-gathers) or ``"layer"`` (one Elias-Fano code or bitmap over the layer, whose size
+            follows from ``k`` alone; one all-gather). Lossless every way: the same names, the
+            same training. A gradient's large values crowd into some channels, so the per-channel
+            codes are mostly the smaller, and coding the gaps drops each gap's remainder that
+            Elias-Fano's high parts keep (docs/codecs/lgc.md, "Beside Adam: the names per
+            channel", and "The gaps in a Rice code"). On a link with a long round trip the extra
+            all-gather can cost more than the bytes save. The leader's broadcast
+            (``support="leader"``) keeps one code over the layer: there, on ResNet-18 at 1 %, the
+            counts cost more than the channels saved.
         light_ratio: the support's fraction at compression level 0, the level controller's light
             steps; ``None`` (default): ten times ``ratio``, at most 0.25 (``ratio`` itself when it is
             larger: the light level is never sparser than the heavy one). At 1.0 the light steps
@@ -750,7 +758,8 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         ]
         # (channels, entries a channel) of the weights whose names travel per channel; None: one
         # code over the layer (a vector, a one-channel weight, a full layer, position_code="layer")
-        by_channel = self.options.position_code == "channel"
+        rice = self.options.position_code == "rice"
+        by_channel = rice or self.options.position_code == "channel"
         channels = [
             (p.shape[0], n // p.shape[0]) if by_channel and p.dim() >= 2 and p.shape[0] > 1 and b > 0 else None
             for (_, _, p), n, b in zip(layers, numels, code_bytes)
@@ -776,6 +785,10 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 parts.append(encode_counts(counts[i], ch[1]))
             elif not by_channel:
                 parts.append(encode_positions(idx, n, e))
+        own_code = None
+        if rice:  # the names are coded now: their length travels in the first message, last
+            own_code = self._rice_code(mine, channels, counts, numels)
+            parts.append(torch.tensor([own_code.numel()], dtype=torch.int32, device=device).view(torch.uint8))
         msg = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
         first = msg.numel()
         rows = self.context.all_gather(msg)
@@ -783,7 +796,9 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         # stride, and a dtype view needs the bytes to follow one another
         flag_rows = rows[:, : 4 * n_flags].reshape(-1).view(torch.float32).view(world, n_flags)
         passed = flag_rows.amin(0).tolist() if n_flags else []
-        if by_channel:  # a second round: the names, their sizes fixed by the counts
+        if rice:  # a second round: the names, their lengths read from the first
+            names, second = self._gather_rice_names(mine, rows, 4 * n_flags, channels, numels, own_code)
+        elif by_channel:  # a second round: the names, their sizes fixed by the counts
             names, second = self._gather_channel_names(
                 mine, rows, 4 * n_flags, channels, counts, encodings, code_bytes, numels
             )
@@ -888,6 +903,86 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 else:
                     names[i].append(decode_positions(rows2[r, off : off + size], mine[i].numel(), n, e))
                 off += size
+        return names, longest
+
+    @staticmethod
+    def _rice_layout(channels: list[tuple[int, int] | None], numels: list[int]) -> list[int]:
+        """The entries a channel of each layer's Rice code: a weight's row, or the whole layer
+        (a vector, a one-channel weight) as one channel whose count is the named size."""
+        return [n if ch is None else ch[1] for ch, n in zip(channels, numels)]
+
+    def _rice_code(
+        self, mine: list[Tensor], channels: list[tuple[int, int] | None], counts: list[Tensor | None], numels: list[int]
+    ) -> Tensor:
+        """This rank's names in the Rice code of their gaps (``position_code="rice"``), as one bit
+        stream (bool): every layer's low bits, then one unary field of every layer's quotients. A
+        layer whose every position is named (``m >= n``) needs no code."""
+        lows, quotients = [], []
+        for idx, ch, cnt, per, n in zip(mine, channels, counts, self._rice_layout(channels, numels), numels):
+            if idx.numel() >= n:
+                continue
+            low, q = rice_fields(idx, cnt if ch is not None else idx.new_full((1,), idx.numel()), per)
+            lows.append(low)
+            quotients.append(q)
+        if not quotients:
+            return torch.zeros(0, dtype=torch.bool, device=mine[0].device)
+        return torch.cat(lows + [unary_bits(torch.cat(quotients))])
+
+    def _gather_rice_names(
+        self,
+        mine: list[Tensor],
+        rows: Tensor,
+        offset: int,
+        channels: list[tuple[int, int] | None],
+        numels: list[int],
+        own_code: Tensor,
+    ) -> tuple[list[list[Tensor]], int]:
+        """``position_code="rice"``: every rank's counts and code length (read from the first
+        all-gather) tell where its layers' low bits end and its unary field begins; the second
+        all-gather carries the codes, every rank's padded to the longest. Returns the names per
+        layer and rank, and the bytes of the second all-gather."""
+        world, device = self.world_size, rows.device
+        all_counts: list[Tensor | None] = []  # per layer, (world, channels); None: every position named
+        for idx, ch, n in zip(mine, channels, numels):
+            if ch is not None:
+                b = counts_nbytes(*ch)
+                all_counts.append(torch.stack([decode_counts(rows[r, offset : offset + b], *ch) for r in range(world)]))
+                offset += b
+            elif idx.numel() < n:
+                all_counts.append(torch.full((world, 1), idx.numel(), dtype=torch.long, device=device))
+            else:
+                all_counts.append(None)
+        lengths = rows[:, offset : offset + 4].contiguous().view(torch.int32).reshape(-1).tolist()
+        longest = -(-max(lengths) // 8)
+        msg = pack_mask(own_code) if own_code.numel() else own_code.to(torch.uint8)
+        msg = torch.cat([msg, torch.zeros(longest - msg.numel(), dtype=torch.uint8, device=device)])
+        rows2 = self.context.all_gather(msg) if longest else None
+        pers = self._rice_layout(channels, numels)
+        coded = [i for i, c in enumerate(all_counts) if c is not None]
+        # per rank and coded layer: its low bits (a function of the counts); one host read
+        low_bits = (
+            torch.tensor([[rice_low_bits(all_counts[i][r], pers[i]) for i in coded] for r in range(world)]).tolist()
+            if coded
+            else [[] for _ in range(world)]
+        )
+        names: list[list[Tensor]] = [[] for _ in mine]
+        for r in range(world):
+            if r == self.rank or not coded:
+                for i, idx in enumerate(mine):
+                    names[i].append(idx if r == self.rank else torch.arange(numels[i], device=device))
+                continue
+            bits = unpack_mask(rows2[r], lengths[r])
+            n_low = sum(low_bits[r])
+            k_all = [mine[i].numel() for i in coded]
+            quotients = quotients_of(bits[n_low:], sum(k_all)).split(k_all)
+            lows = bits[:n_low].split(low_bits[r])
+            decoded = dict(zip(coded, zip(lows, quotients)))
+            for i in range(len(mine)):
+                if i in decoded:
+                    low, q = decoded[i]
+                    names[i].append(rice_positions(low, q, all_counts[i][r], pers[i]))
+                else:
+                    names[i].append(torch.arange(numels[i], device=device))
         return names, longest
 
     def _count_layer(
