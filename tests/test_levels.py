@@ -19,6 +19,8 @@ from lightning_gradcomp.codecs.positions import (
     choose_encoding,
     counts_nbytes,
     encoded_nbytes,
+    kernel_counts,
+    kernel_fields,
     rice_fields,
 )
 
@@ -674,7 +676,7 @@ def test_a_union_support_carries_every_layer_identically_on_two_ranks_with_exact
 def _train_union_with_every_position_code(rank: int, world: int) -> dict:
     return {
         code: _train_levels(rank, world, True, 0, STAGE3, True, {"support": "union", "position_code": code})
-        for code in ("rice", "channel", "layer")
+        for code in ("kernel", "rice", "channel", "layer")
     }
 
 
@@ -721,7 +723,7 @@ def test_the_channel_position_code_trains_bit_for_bit_as_the_layer_code_and_send
 
 
 def test_the_rice_position_code_trains_bit_for_bit_and_sends_the_gaps_of_every_ranks_names(union_runs_by_position_code):
-    """The default position code, the gaps of each rank's names in a Rice code, is lossless (every
+    """The Rice position code, the gaps of each rank's names in a Rice code, is lossless (every
     step's aggregate the same, bit for bit, as with the other codes), and a bucket sends its flags,
     every weight's counts, each rank's code length (4 bytes), then the longest rank's code: every
     coded layer's low bits and one unary field of their quotients, as the names each rank sent
@@ -752,6 +754,56 @@ def test_the_rice_position_code_trains_bit_for_bit_and_sends_the_gaps_of_every_r
             assert nbytes == 4 * n_flags + header + 4 + -(-max(code_bits) // 8)
             rice_total, channel_total = rice_total + nbytes, channel_total + nbytes_c
     assert rice_total < channel_total
+    # the kernel code names a weight without kernels (this MLP's) as the Rice code does
+    for r in res:
+        assert [b[1] for b in r["kernel"]["buckets"]] == [b[1] for b in r["rice"]["buckets"]]
+        for a, b in zip(r["kernel"]["rows"], r["rice"]["rows"], strict=True):
+            assert torch.equal(a["grads"], b["grads"])
+
+
+def _union_names_of_a_convolution(rank: int, world: int) -> dict:
+    """One stage-2 bucket of a union support on a (16, 8, 3, 3) convolution whose large values
+    crowd into a fifth of its kernels, once per position code: the support, who named what, and
+    the bytes sent."""
+    from lightning_gradcomp.codecs.base import CodecContext, RoundContext
+
+    g = torch.Generator().manual_seed(20 + rank)
+    x = torch.randn(16, 8, 3, 3, generator=g)
+    x[torch.rand(16, 8, generator=g) < 0.2] *= 10
+    x = x.reshape(-1)
+    out = {}
+    for code in ("kernel", "rice", "layer"):
+        codec = LGCCodec(
+            support="union", selection="exact", warmup_steps=2, ae_train_steps=4, ratio=0.2, position_code=code
+        )
+        ctx = CodecContext(rank, world, torch.device("cpu"))
+        codec.setup(ctx)
+        prepared = codec.prepare_bucket([("w", x.clone(), torch.zeros(16, 8, 3, 3))], RoundContext(step=3, comm=ctx))
+        shared = prepared.per_layer["w"]
+        out[code] = {"support": shared.support, "named": shared.named, "nbytes": prepared.nbytes}
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_kernel_position_code_names_a_convolutions_kernels_and_gives_every_rank_the_same_union(world):
+    """The kernel code (the default) gives every rank the union the layer code gives, and sends
+    the counts of named kernels per output channel, each rank's code length, then the longest
+    rank's code: the kernels' gaps, each named kernel's count of entries and the index of its
+    pattern. Where the names crowd into kernels that costs fewer bytes than the Rice code of the
+    entries' gaps."""
+    res = run_gloo(_union_names_of_a_convolution, world_size=world, timeout=120)
+    for r in res:
+        for code in ("kernel", "rice"):
+            assert torch.equal(r[code]["support"], res[0]["layer"]["support"])
+            assert torch.equal(r[code]["named"], res[0]["layer"]["named"])
+        longest = 0
+        for who in r["kernel"]["named"]:
+            own = r["kernel"]["support"][who]
+            lows, unary, index = kernel_fields(own, kernel_counts(own, 16, 72, 9), 72, 9)
+            longest = max(longest, lows.numel() + int((unary + 1).sum()) + index.numel())
+        assert r["kernel"]["nbytes"] == counts_nbytes(16, 8) + 4 + -(-longest // 8)
+        assert r["kernel"]["nbytes"] < 0.95 * r["rice"]["nbytes"]
+    assert len({r["kernel"]["nbytes"] for r in res}) == 1
 
 
 def _union_names_both_codes(rank: int, world: int) -> dict:

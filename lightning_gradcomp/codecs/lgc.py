@@ -98,6 +98,7 @@ from lightning_gradcomp.codecs.bits import pack_mask, unpack_mask
 from lightning_gradcomp.codecs.lgc_autoencoder import GradientAutoencoder
 from lightning_gradcomp.codecs.lgc_learning import LearnedCode
 from lightning_gradcomp.codecs.positions import (
+    MAX_KERNEL,
     channel_code_nbytes,
     channel_counts,
     choose_encoding,
@@ -109,6 +110,10 @@ from lightning_gradcomp.codecs.positions import (
     encode_counts,
     encode_positions,
     encoded_nbytes,
+    kernel_counts,
+    kernel_fields,
+    kernel_index_bits,
+    kernel_positions,
     quotients_of,
     rice_fields,
     rice_low_bits,
@@ -129,7 +134,7 @@ CODES = ("levels", "autoencoder")
 VARIANTS = ("rar", "ps")
 SELECTIONS = ("sampled", "exact")
 SUPPORTS = ("leader", "union")
-POSITION_CODES = ("rice", "channel", "layer")
+POSITION_CODES = ("kernel", "rice", "channel", "layer")
 WARMUP_CODECS = ("allreduce", "powersgd", "terngrad")
 #: the paper's stage lengths (SOFF: 200 dense rounds, 300 collecting), the caps of fractions
 WARMUP_CAP, AE_TRAIN_CAP = 200, 300
@@ -181,7 +186,7 @@ class LGCOptions(CodecOptions):
     ae_train_steps: int | float = 0.1
     ratio: float = 7.5e-3
     support: str = "leader"
-    position_code: str = "rice"
+    position_code: str = "kernel"
     light_ratio: float | None = None
     light_code_bits: int | None = None
     density_warmup: int | float = 0
@@ -310,17 +315,21 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             support over eight seeds (-0.09 mIoU) at 16 % fewer bytes, and with ``ratio=0.14`` and
             ``light_ratio=0.5`` (the defaults there) +0.96 above it (docs/codecs/lgc.md, "Beside
             Adam: a union support").
-        position_code: how each rank's names travel on a union support: ``"rice"`` (default;
-            each output channel's count, then the gaps between the channel's names in a Rice code
-            whose parameter follows from the count; two all-gathers, the counts and each rank's
-            code length first), ``"channel"`` (the counts, then per channel an Elias-Fano code or
+        position_code: how each rank's names travel on a union support: ``"kernel"`` (default;
+            a convolution with kernels of at most 12 entries names its kernels, the counts of
+            named kernels per output channel and then their gaps, and says which entries of each
+            kernel: their count and the index of their pattern; other layers as ``"rice"``; a
+            gradient's large values crowd into kernels as well as channels), ``"rice"`` (each
+            output channel's count, then the gaps between the channel's names in a Rice code
+            whose parameter follows from the count; both two all-gathers, the counts and each
+            rank's code length first), ``"channel"`` (the counts, then per channel an Elias-Fano code or
             a bitmap, per layer where that is smaller than one code over the layer; two
             all-gathers) or ``"layer"`` (one Elias-Fano code or bitmap over the layer, whose size
             follows from ``k`` alone; one all-gather). Lossless every way: the same names, the
             same training. A gradient's large values crowd into some channels, so the per-channel
             codes are mostly the smaller, and coding the gaps drops each gap's remainder that
             Elias-Fano's high parts keep (docs/codecs/lgc.md, "Beside Adam: the names per
-            channel", and "The gaps in a Rice code"). On a link with a long round trip the extra
+            channel", and "Beside Adam: the names per kernel"). On a link with a long round trip the extra
             all-gather can cost more than the bytes save. The leader's broadcast
             (``support="leader"``) keeps one code over the layer: there, on ResNet-18 at 1 %, the
             counts cost more than the channels saved.
@@ -758,11 +767,16 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         ]
         # (channels, entries a channel) of the weights whose names travel per channel; None: one
         # code over the layer (a vector, a one-channel weight, a full layer, position_code="layer")
-        rice = self.options.position_code == "rice"
-        by_channel = rice or self.options.position_code == "channel"
+        gapped = self.options.position_code in ("rice", "kernel")
+        by_channel = gapped or self.options.position_code == "channel"
         channels = [
             (p.shape[0], n // p.shape[0]) if by_channel and p.dim() >= 2 and p.shape[0] > 1 and b > 0 else None
             for (_, _, p), n, b in zip(layers, numels, code_bytes)
+        ]
+        kernels = self.options.position_code == "kernel"
+        layouts = [
+            self._gap_layout(p, n, m, kernels) if gapped else None
+            for (_, _, p), n, m in zip(layers, numels, named_sizes)
         ]
         n_flags = sum(use_code)
         mine: list[Tensor] = []
@@ -779,15 +793,18 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         # channel code) the positions it names, per layer
         parts = [torch.stack(flags).to(torch.float32).view(torch.uint8)] if flags else []
         counts: list[Tensor | None] = [None] * len(layers)
-        for i, (idx, ch, e, n) in enumerate(zip(mine, channels, encodings, numels)):
-            if ch is not None:
+        for i, (idx, ch, lay, e, n) in enumerate(zip(mine, channels, layouts, encodings, numels)):
+            if lay is not None and lay[2] > 1:  # the kernel code counts kernels
+                counts[i] = kernel_counts(idx, *lay)
+                parts.append(encode_counts(counts[i], lay[1] // lay[2]))
+            elif ch is not None:
                 counts[i] = channel_counts(idx, *ch)
                 parts.append(encode_counts(counts[i], ch[1]))
             elif not by_channel:
                 parts.append(encode_positions(idx, n, e))
         own_code = None
-        if rice:  # the names are coded now: their length travels in the first message, last
-            own_code = self._rice_code(mine, channels, counts, numels)
+        if gapped:  # the names are coded now: their length travels in the first message, last
+            own_code = self._gap_code(mine, layouts, counts)
             parts.append(torch.tensor([own_code.numel()], dtype=torch.int32, device=device).view(torch.uint8))
         msg = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
         first = msg.numel()
@@ -796,8 +813,8 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         # stride, and a dtype view needs the bytes to follow one another
         flag_rows = rows[:, : 4 * n_flags].reshape(-1).view(torch.float32).view(world, n_flags)
         passed = flag_rows.amin(0).tolist() if n_flags else []
-        if rice:  # a second round: the names, their lengths read from the first
-            names, second = self._gather_rice_names(mine, rows, 4 * n_flags, channels, numels, own_code)
+        if gapped:  # a second round: the names, their lengths read from the first
+            names, second = self._gather_gap_names(mine, rows, 4 * n_flags, layouts, own_code)
         elif by_channel:  # a second round: the names, their sizes fixed by the counts
             names, second = self._gather_channel_names(
                 mine, rows, 4 * n_flags, channels, counts, encodings, code_bytes, numels
@@ -906,83 +923,115 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         return names, longest
 
     @staticmethod
-    def _rice_layout(channels: list[tuple[int, int] | None], numels: list[int]) -> list[int]:
-        """The entries a channel of each layer's Rice code: a weight's row, or the whole layer
-        (a vector, a one-channel weight) as one channel whose count is the named size."""
-        return [n if ch is None else ch[1] for ch, n in zip(channels, numels)]
+    def _gap_layout(param: Tensor, n: int, m: int, kernels: bool) -> tuple[int, int, int] | None:
+        """How a layer's ``m`` names of ``n`` travel in the gap codes (``position_code`` ``"rice"``
+        or ``"kernel"``): ``(channels, entries a channel, entries a kernel)``. A weight names per
+        output channel, with ``kernels`` a convolution of at most :data:`MAX_KERNEL` entries a
+        kernel names its kernels; a vector or a one-channel weight is one channel, whose count is
+        ``m`` (no header); ``None`` where every position is named (no code)."""
+        if m >= n:
+            return None
+        if param.dim() < 2 or param.shape[0] <= 1:
+            return 1, n, 1
+        size = math.prod(param.shape[2:]) if param.dim() > 2 else 1
+        return param.shape[0], n // param.shape[0], size if kernels and 2 <= size <= MAX_KERNEL else 1
 
-    def _rice_code(
-        self, mine: list[Tensor], channels: list[tuple[int, int] | None], counts: list[Tensor | None], numels: list[int]
+    @staticmethod
+    def _gap_fields(idx: Tensor, layout: tuple[int, int, int], counts: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """One layer's names as the gap code's low bits, unary values and kernel index bits."""
+        channels, per, size = layout
+        if channels == 1:
+            counts = idx.new_full((1,), idx.numel())
+        if size > 1:
+            return kernel_fields(idx, counts, per, size)
+        lows, quotients = rice_fields(idx, counts, per)
+        return lows, quotients, lows[:0]
+
+    def _gap_code(
+        self, mine: list[Tensor], layouts: list[tuple[int, int, int] | None], counts: list[Tensor | None]
     ) -> Tensor:
-        """This rank's names in the Rice code of their gaps (``position_code="rice"``), as one bit
-        stream (bool): every layer's low bits, then one unary field of every layer's quotients. A
-        layer whose every position is named (``m >= n``) needs no code."""
-        lows, quotients = [], []
-        for idx, ch, cnt, per, n in zip(mine, channels, counts, self._rice_layout(channels, numels), numels):
-            if idx.numel() >= n:
-                continue
-            low, q = rice_fields(idx, cnt if ch is not None else idx.new_full((1,), idx.numel()), per)
-            lows.append(low)
-            quotients.append(q)
-        if not quotients:
+        """This rank's names in the gap codes as one bit stream (bool): every layer's low bits,
+        then one unary field of every layer's unary values, then the kernel code's indices."""
+        fields = [self._gap_fields(idx, lay, cnt) for idx, lay, cnt in zip(mine, layouts, counts) if lay is not None]
+        if not fields:
             return torch.zeros(0, dtype=torch.bool, device=mine[0].device)
-        return torch.cat(lows + [unary_bits(torch.cat(quotients))])
+        lows, unary, index = zip(*fields)
+        return torch.cat([*lows, unary_bits(torch.cat(unary)), *index])
 
-    def _gather_rice_names(
+    def _gather_gap_names(
         self,
         mine: list[Tensor],
         rows: Tensor,
         offset: int,
-        channels: list[tuple[int, int] | None],
-        numels: list[int],
+        layouts: list[tuple[int, int, int] | None],
         own_code: Tensor,
     ) -> tuple[list[list[Tensor]], int]:
-        """``position_code="rice"``: every rank's counts and code length (read from the first
-        all-gather) tell where its layers' low bits end and its unary field begins; the second
-        all-gather carries the codes, every rank's padded to the longest. Returns the names per
-        layer and rank, and the bytes of the second all-gather."""
+        """``position_code`` ``"rice"`` or ``"kernel"``: every rank's counts and code length (read
+        from the first all-gather) tell where its layers' low bits end and how many unary values
+        follow; the unary values give the kernels' index widths. The second all-gather carries
+        the codes, every rank's padded to the longest. Returns the names per layer and rank, and
+        the bytes of the second all-gather."""
         world, device = self.world_size, rows.device
-        all_counts: list[Tensor | None] = []  # per layer, (world, channels); None: every position named
-        for idx, ch, n in zip(mine, channels, numels):
-            if ch is not None:
-                b = counts_nbytes(*ch)
-                all_counts.append(torch.stack([decode_counts(rows[r, offset : offset + b], *ch) for r in range(world)]))
-                offset += b
-            elif idx.numel() < n:
-                all_counts.append(torch.full((world, 1), idx.numel(), dtype=torch.long, device=device))
-            else:
+        all_counts: list[Tensor | None] = []  # per layer, (world, channels)
+        for idx, lay in zip(mine, layouts):
+            if lay is None:
                 all_counts.append(None)
+            elif lay[0] > 1:
+                b = counts_nbytes(lay[0], lay[1] // lay[2])
+                unit = lay[1] // lay[2]
+                all_counts.append(
+                    torch.stack([decode_counts(rows[r, offset : offset + b], lay[0], unit) for r in range(world)])
+                )
+                offset += b
+            else:
+                all_counts.append(torch.full((world, 1), idx.numel(), dtype=torch.long, device=device))
         lengths = rows[:, offset : offset + 4].contiguous().view(torch.int32).reshape(-1).tolist()
         longest = -(-max(lengths) // 8)
         msg = pack_mask(own_code) if own_code.numel() else own_code.to(torch.uint8)
         msg = torch.cat([msg, torch.zeros(longest - msg.numel(), dtype=torch.uint8, device=device)])
         rows2 = self.context.all_gather(msg) if longest else None
-        pers = self._rice_layout(channels, numels)
-        coded = [i for i, c in enumerate(all_counts) if c is not None]
-        # per rank and coded layer: its low bits (a function of the counts); one host read
-        low_bits = (
-            torch.tensor([[rice_low_bits(all_counts[i][r], pers[i]) for i in coded] for r in range(world)]).tolist()
-            if coded
-            else [[] for _ in range(world)]
-        )
+        coded = [i for i, lay in enumerate(layouts) if lay is not None]
+        # per rank and coded layer: its low bits and its unary values (functions of the counts)
+        sizes = torch.tensor(
+            [
+                [
+                    (
+                        rice_low_bits(all_counts[i][r], layouts[i][1] // layouts[i][2]),
+                        mine[i].numel() if layouts[i][2] == 1 else 2 * int(all_counts[i][r].sum()),
+                    )
+                    for i in coded
+                ]
+                for r in range(world)
+            ]
+        ).tolist()
         names: list[list[Tensor]] = [[] for _ in mine]
         for r in range(world):
-            if r == self.rank or not coded:
-                for i, idx in enumerate(mine):
-                    names[i].append(idx if r == self.rank else torch.arange(numels[i], device=device))
-                continue
-            bits = unpack_mask(rows2[r], lengths[r])
-            n_low = sum(low_bits[r])
-            k_all = [mine[i].numel() for i in coded]
-            quotients = quotients_of(bits[n_low:], sum(k_all)).split(k_all)
-            lows = bits[:n_low].split(low_bits[r])
-            decoded = dict(zip(coded, zip(lows, quotients)))
-            for i in range(len(mine)):
-                if i in decoded:
-                    low, q = decoded[i]
-                    names[i].append(rice_positions(low, q, all_counts[i][r], pers[i]))
+            decoded: dict[int, Tensor] = {}
+            if r != self.rank and coded:
+                bits = unpack_mask(rows2[r], lengths[r])
+                low_bits, n_unary = (list(col) for col in zip(*sizes[r]))
+                n_low = sum(low_bits)
+                quotients = quotients_of(bits[n_low:], sum(n_unary))
+                unary_end = n_low + int((quotients + 1).sum())
+                lows = bits[:n_low].split(low_bits)
+                unary = quotients.split(n_unary)
+                kernel_layers = [j for j, i in enumerate(coded) if layouts[i][2] > 1]
+                entries = [(unary[j][n_unary[j] // 2 :] + 1, layouts[coded[j]][2]) for j in kernel_layers]
+                index_bits = torch.stack([kernel_index_bits(*e) for e in entries]).tolist() if entries else []
+                index = dict(
+                    zip(kernel_layers, bits[unary_end : unary_end + sum(index_bits)].split(index_bits), strict=True)
+                )
+                for j, i in enumerate(coded):
+                    _, per, size = layouts[i]
+                    if size > 1:
+                        decoded[i] = kernel_positions(lows[j], unary[j], index[j], all_counts[i][r], per, size)
+                    else:
+                        decoded[i] = rice_positions(lows[j], unary[j], all_counts[i][r], per)
+            for i, idx in enumerate(mine):
+                if r == self.rank:
+                    names[i].append(idx)
                 else:
-                    names[i].append(torch.arange(numels[i], device=device))
+                    names[i].append(decoded.get(i, torch.arange(idx.numel(), device=device)))
         return names, longest
 
     def _count_layer(
