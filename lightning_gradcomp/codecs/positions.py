@@ -8,6 +8,12 @@ channel: a header of each channel's count (:func:`encode_counts`), then per chan
 code with its own low-bit width, or a bitmap of the channel where that is smaller. A gradient's
 large values crowd into some channels and avoid others, so this takes fewer bits than one code over
 the layer; its size follows from the counts, which a receiver reads first.
+
+The gap codes (``lgc``'s union support): the Rice code of the gaps between a channel's positions
+(:func:`rice_fields`), and for a convolution the kernel code (:func:`kernel_fields`), which names
+the kernels holding positions and then which entries of each. Their sizes depend on the positions,
+so a sender says its length. The Rice code takes within a few per cent of the least that a code
+knowing only each channel's count can take; the kernel code less, where positions crowd in kernels.
 """
 
 from __future__ import annotations
