@@ -686,6 +686,13 @@ def _train_union_with_every_position_code(rank: int, world: int) -> dict:
     }
 
 
+def _assert_the_same_training(run: dict, other: dict) -> None:
+    """Two runs of ``_train_levels`` on one rank: identical ranks, and every step's aggregate the
+    same, bit for bit."""
+    for a, b in zip(run["rows"], other["rows"], strict=True):
+        assert a["identical"] and torch.equal(a["grads"], b["grads"])
+
+
 @pytest.fixture(scope="module")
 def union_runs_by_position_code():
     return run_gloo(_train_union_with_every_position_code, world_size=2, timeout=300)
@@ -702,8 +709,7 @@ def test_the_channel_position_code_trains_bit_for_bit_as_the_layer_code_and_send
     channel_total = layer_total = 0
     for r in res:
         by_channel, by_layer = r["channel"], r["layer"]
-        for a, b in zip(by_channel["rows"], by_layer["rows"], strict=True):
-            assert a["identical"] and torch.equal(a["grads"], b["grads"])
+        _assert_the_same_training(by_channel, by_layer)
         assert len(by_channel["buckets"]) == len(by_layer["buckets"]) > 0
         for (step, nbytes, supports, named, _), (_, nbytes_l, supports_l, _, _) in zip(
             by_channel["buckets"], by_layer["buckets"]
@@ -739,8 +745,7 @@ def test_the_rice_position_code_trains_bit_for_bit_and_sends_the_gaps_of_every_r
     rice_total = channel_total = 0
     for r in res:
         by_rice, by_channel = r["rice"], r["channel"]
-        for a, b in zip(by_rice["rows"], by_channel["rows"], strict=True):
-            assert a["identical"] and torch.equal(a["grads"], b["grads"])
+        _assert_the_same_training(by_rice, by_channel)
         for (step, nbytes, supports, _, names), (_, nbytes_c, supports_c, _, _) in zip(
             by_rice["buckets"], by_channel["buckets"], strict=True
         ):
@@ -763,8 +768,7 @@ def test_the_rice_position_code_trains_bit_for_bit_and_sends_the_gaps_of_every_r
     # the kernel code names a weight without kernels (this MLP's) as the Rice code does
     for r in res:
         assert [b[1] for b in r["kernel"]["buckets"]] == [b[1] for b in r["rice"]["buckets"]]
-        for a, b in zip(r["kernel"]["rows"], r["rice"]["rows"], strict=True):
-            assert torch.equal(a["grads"], b["grads"])
+        _assert_the_same_training(r["kernel"], r["rice"])
 
 
 def _union_names_of_a_convolution(rank: int, world: int) -> dict:
