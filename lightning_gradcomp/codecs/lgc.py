@@ -977,8 +977,8 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             if lay is None:
                 all_counts.append(None)
             elif lay[0] > 1:
-                b = counts_nbytes(lay[0], lay[1] // lay[2])
-                unit = lay[1] // lay[2]
+                unit = lay[1] // lay[2]  # what a count counts in a channel: its entries, or its kernels
+                b = counts_nbytes(lay[0], unit)
                 all_counts.append(
                     torch.stack([decode_counts(rows[r, offset : offset + b], lay[0], unit) for r in range(world)])
                 )
@@ -990,49 +990,51 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         msg = pack_mask(own_code) if own_code.numel() else own_code.to(torch.uint8)
         msg = torch.cat([msg, torch.zeros(longest - msg.numel(), dtype=torch.uint8, device=device)])
         rows2 = self.context.all_gather(msg) if longest else None
-        coded = [i for i, lay in enumerate(layouts) if lay is not None]
-        # per rank and coded layer: its low bits and its unary values (functions of the counts)
-        sizes = torch.tensor(
-            [
-                [
-                    (
-                        rice_low_bits(all_counts[i][r], layouts[i][1] // layouts[i][2]),
-                        mine[i].numel() if layouts[i][2] == 1 else 2 * int(all_counts[i][r].sum()),
-                    )
-                    for i in coded
-                ]
-                for r in range(world)
-            ]
-        ).tolist()
         names: list[list[Tensor]] = [[] for _ in mine]
         for r in range(world):
             decoded: dict[int, Tensor] = {}
-            if r != self.rank and coded:
-                bits = unpack_mask(rows2[r], lengths[r])
-                low_bits, n_unary = (list(col) for col in zip(*sizes[r]))
-                n_low = sum(low_bits)
-                quotients = quotients_of(bits[n_low:], sum(n_unary))
-                unary_end = n_low + int((quotients + 1).sum())
-                lows = bits[:n_low].split(low_bits)
-                unary = quotients.split(n_unary)
-                kernel_layers = [j for j, i in enumerate(coded) if layouts[i][2] > 1]
-                entries = [(unary[j][n_unary[j] // 2 :] + 1, layouts[coded[j]][2]) for j in kernel_layers]
-                index_bits = torch.stack([kernel_index_bits(*e) for e in entries]).tolist() if entries else []
-                index = dict(
-                    zip(kernel_layers, bits[unary_end : unary_end + sum(index_bits)].split(index_bits), strict=True)
-                )
-                for j, i in enumerate(coded):
-                    _, per, size = layouts[i]
-                    if size > 1:
-                        decoded[i] = kernel_positions(lows[j], unary[j], index[j], all_counts[i][r], per, size)
-                    else:
-                        decoded[i] = rice_positions(lows[j], unary[j], all_counts[i][r], per)
+            if r != self.rank and rows2 is not None:
+                counts_r = [None if c is None else c[r] for c in all_counts]
+                decoded = self._read_gap_code(unpack_mask(rows2[r], lengths[r]), layouts, counts_r, mine)
             for i, idx in enumerate(mine):
                 if r == self.rank:
                     names[i].append(idx)
-                else:
-                    names[i].append(decoded.get(i, torch.arange(idx.numel(), device=device)))
+                elif i in decoded:
+                    names[i].append(decoded[i])
+                else:  # every position named
+                    names[i].append(torch.arange(idx.numel(), device=device))
         return names, longest
+
+    @staticmethod
+    def _read_gap_code(
+        bits: Tensor, layouts: list[tuple[int, int, int] | None], counts: list[Tensor | None], mine: list[Tensor]
+    ) -> dict[int, Tensor]:
+        """Inverse of :meth:`_gap_code` for one rank's ``bits``, given its ``counts``: the names
+        of every coded layer, by layer index. Each layer's low bits and unary values are functions
+        of the counts (a one-channel layer's count is the named size, that of this rank's own
+        names); the kernels' indices follow the unary field, their widths read from it."""
+        coded = [i for i, lay in enumerate(layouts) if lay is not None]
+        low_bits = [rice_low_bits(counts[i], layouts[i][1] // layouts[i][2]) for i in coded]
+        n_unary = [mine[i].numel() if layouts[i][2] == 1 else 2 * int(counts[i].sum()) for i in coded]
+        n_low = sum(low_bits)
+        quotients = quotients_of(bits[n_low:], sum(n_unary))
+        lows, unary = bits[:n_low].split(low_bits), quotients.split(n_unary)
+        kernel_layers = [j for j, i in enumerate(coded) if layouts[i][2] > 1]
+        index: dict[int, Tensor] = {}
+        if kernel_layers:
+            unary_end = n_low + int((quotients + 1).sum())
+            widths = [kernel_index_bits(unary[j][n_unary[j] // 2 :] + 1, layouts[coded[j]][2]) for j in kernel_layers]
+            index_bits = torch.stack(widths).tolist()
+            fields = bits[unary_end : unary_end + sum(index_bits)].split(index_bits)
+            index = dict(zip(kernel_layers, fields, strict=True))
+        decoded = {}
+        for j, i in enumerate(coded):
+            _, per, size = layouts[i]
+            if size > 1:
+                decoded[i] = kernel_positions(lows[j], unary[j], index[j], counts[i], per, size)
+            else:
+                decoded[i] = rice_positions(lows[j], unary[j], counts[i], per)
+        return decoded
 
     def _count_layer(
         self, step: int, stage: int, k: int, numel: int, values: int, eligible: bool, coded: bool, code_nbytes: int

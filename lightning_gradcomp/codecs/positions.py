@@ -190,6 +190,24 @@ def decode_counts(data: Tensor, channels: int, per: int) -> Tensor:
     return (bits << torch.arange(w, device=data.device)).sum(-1)
 
 
+def _exclusive_cumsum(x: Tensor) -> Tensor:
+    return torch.cumsum(x, 0) - x
+
+
+def _bits_of(values: Tensor, widths: Tensor) -> Tensor:
+    """Each value's low ``widths`` bits (bool), value by value, least significant first."""
+    owner = torch.repeat_interleave(torch.arange(values.numel(), device=values.device), widths)
+    bit = torch.arange(owner.numel(), device=values.device) - _exclusive_cumsum(widths)[owner]
+    return ((values[owner] >> bit) & 1).bool()
+
+
+def _values_of(bits: Tensor, widths: Tensor) -> Tensor:
+    """Inverse of :func:`_bits_of`."""
+    owner = torch.repeat_interleave(torch.arange(widths.numel(), device=bits.device), widths)
+    bit = torch.arange(owner.numel(), device=bits.device) - _exclusive_cumsum(widths)[owner]
+    return torch.zeros(widths.numel(), dtype=torch.long, device=bits.device).index_add(0, owner, bits.long() << bit)
+
+
 def _channel_layout(counts: Tensor, per: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per channel (``counts`` may carry leading batch dimensions): whether it is Elias-Fano coded
     (else a bitmap, or nothing when empty), its low-bit width, and its low and high fields' bits."""
@@ -210,10 +228,6 @@ def channel_code_nbytes(counts: Tensor, per: int) -> Tensor:
     return torch.div((low_len + high_len).sum(-1) + 7, 8, rounding_mode="floor")
 
 
-def _exclusive_cumsum(x: Tensor) -> Tensor:
-    return torch.cumsum(x, 0) - x
-
-
 def encode_channel_positions(pos: Tensor, counts: Tensor, per: int) -> Tensor:
     """The sorted positions ``pos`` of a ``(len(counts), per)`` weight, channel by channel:
     :func:`channel_code_nbytes` bytes, to be read with the same ``counts``."""
@@ -223,10 +237,7 @@ def encode_channel_positions(pos: Tensor, counts: Tensor, per: int) -> Tensor:
     off = pos - row * per
     li = low[row]
     rank = torch.arange(k, device=pos.device) - _exclusive_cumsum(counts)[row]
-    # the low bits, in position order (sorted positions are grouped by channel already)
-    owner = torch.repeat_interleave(torch.arange(k, device=pos.device), li)
-    bit = torch.arange(owner.numel(), device=pos.device) - _exclusive_cumsum(li)[owner]
-    lows = ((off[owner] >> bit) & 1).bool()
+    lows = _bits_of(off, li)  # in position order (sorted positions are grouped by channel already)
     # the high fields: an Elias-Fano channel sets bit h_i + rank_i of its field, a bitmap bit off_i
     high = torch.zeros(int(high_len.sum()), dtype=torch.bool, device=pos.device)
     high[_exclusive_cumsum(high_len)[row] + (off >> li) + rank * elias_fano[row]] = True
@@ -247,10 +258,7 @@ def decode_channel_positions(data: Tensor, counts: Tensor, per: int) -> Tensor:
     rank = torch.arange(k, device=device) - _exclusive_cumsum(counts)[row]
     li = low[row]
     off = (ones - _exclusive_cumsum(high_len)[row] - rank * elias_fano[row]) << li
-    owner = torch.repeat_interleave(torch.arange(k, device=device), li)
-    bit = torch.arange(n_low, device=device) - _exclusive_cumsum(li)[owner]
-    off = off.index_add(0, owner, bits[:n_low].long() << bit)
-    return row * per + off
+    return row * per + off + _values_of(bits[:n_low], li)
 
 
 # The Rice code of the gaps. A channel holding ``c`` positions stores each gap ``g`` (the entries
@@ -286,9 +294,7 @@ def rice_fields(pos: Tensor, counts: Tensor, per: int) -> tuple[Tensor, Tensor]:
     previous = torch.cat([off.new_full((1,), -1), off[:-1]]) if k else off
     gap = off - torch.where(first, -1, previous) - 1
     wi = width[row]
-    owner = torch.repeat_interleave(torch.arange(k, device=pos.device), wi)
-    bit = torch.arange(owner.numel(), device=pos.device) - _exclusive_cumsum(wi)[owner]
-    return ((gap[owner] >> bit) & 1).bool(), gap >> wi
+    return _bits_of(gap, wi), gap >> wi
 
 
 def rice_low_bits(counts: Tensor, per: int) -> int:
@@ -315,13 +321,10 @@ def quotients_of(bits: Tensor, k: int) -> Tensor:
 def rice_positions(lows: Tensor, quotients: Tensor, counts: Tensor, per: int) -> Tensor:
     """Inverse of :func:`rice_fields`: the sorted positions (int64)."""
     device = quotients.device
-    k = quotients.numel()
     width = rice_widths(counts, per)
     row = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts)
     wi = width[row]
-    owner = torch.repeat_interleave(torch.arange(k, device=device), wi)
-    bit = torch.arange(owner.numel(), device=device) - _exclusive_cumsum(wi)[owner]
-    gap = (quotients << wi).index_add(0, owner, lows.long() << bit)
+    gap = (quotients << wi) + _values_of(lows, wi)
     reach = torch.cumsum(gap + 1, 0)  # one past each position, counted from the first channel's start
     start = _exclusive_cumsum(counts)[row]
     before = torch.where(start > 0, reach[(start - 1).clamp(min=0)], 0)
@@ -356,20 +359,6 @@ def _kernel_tables(size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return count, index, by_count, first, width
 
 
-def _bits_of(values: Tensor, widths: Tensor) -> Tensor:
-    """Each value's low ``widths`` bits (bool), value by value, least significant first."""
-    owner = torch.repeat_interleave(torch.arange(values.numel(), device=values.device), widths)
-    bit = torch.arange(owner.numel(), device=values.device) - _exclusive_cumsum(widths)[owner]
-    return ((values[owner] >> bit) & 1).bool()
-
-
-def _values_of(bits: Tensor, widths: Tensor) -> Tensor:
-    """Inverse of :func:`_bits_of`."""
-    owner = torch.repeat_interleave(torch.arange(widths.numel(), device=bits.device), widths)
-    bit = torch.arange(owner.numel(), device=bits.device) - _exclusive_cumsum(widths)[owner]
-    return torch.zeros(widths.numel(), dtype=torch.long, device=bits.device).index_add(0, owner, bits.long() << bit)
-
-
 def kernel_counts(pos: Tensor, channels: int, per: int, size: int) -> Tensor:
     """How many kernels of ``size`` entries each of the ``channels`` rows (``per`` entries) names
     at least one entry of, for sorted positions ``pos`` (int64)."""
@@ -383,9 +372,10 @@ def kernel_fields(pos: Tensor, counts: Tensor, per: int, size: int) -> tuple[Ten
     kernel's count of entries less one) and each kernel's index among the patterns of its count
     (bool, ``ceil(log2 C(size, c))`` bits a kernel)."""
     count_of, index_of, _, _, width = (t.to(pos.device) for t in _kernel_tables(size))
-    kernel, inverse = torch.unique_consecutive(pos // size, return_inverse=True)
+    of_kernel = pos // size
+    kernel, inverse = torch.unique_consecutive(of_kernel, return_inverse=True)
     pattern = torch.zeros(kernel.numel(), dtype=torch.long, device=pos.device)
-    pattern.index_add_(0, inverse, 1 << (pos - (pos // size) * size))
+    pattern.index_add_(0, inverse, 1 << (pos - of_kernel * size))
     lows, quotients = rice_fields(kernel, counts, per // size)
     c = count_of[pattern]
     return lows, torch.cat([quotients, c - 1]), _bits_of(index_of[pattern], width[c])
