@@ -49,6 +49,38 @@ def test_fitted_levels_beat_evenly_spaced_ones_on_heavy_tailed_values():
     assert err(fitted) < 0.7 * err(even)
 
 
+def _lloyd_max_by_distance_table(m: torch.Tensor, count: int, max_samples: int = 200_000, seed: int = 0):
+    """Lloyd-Max written the direct way, every value against every level each pass (what
+    ``fit_levels`` computed before it sorted the values once): the reference it must equal."""
+    m = m.reshape(-1).double()
+    if m.numel() > max_samples:
+        m = m[torch.randperm(m.numel(), generator=torch.Generator().manual_seed(seed))[:max_samples]]
+    centers = torch.quantile(m, torch.linspace(0.5 / count, 1 - 0.5 / count, count, dtype=torch.float64))
+    for _ in range(30):
+        assign = (m.unsqueeze(1) - centers).abs().argmin(1)
+        counts = torch.bincount(assign, minlength=count)
+        sums = torch.zeros(count, dtype=torch.float64).index_add_(0, assign, m)
+        centers = torch.where(counts > 0, sums / counts.clamp_min(1), centers)
+    return centers.sort().values.float()
+
+
+@pytest.mark.parametrize("count", [1, 2, 4, 128])
+@pytest.mark.parametrize("spread", ["gaussian", "heavy", "three values"])
+@pytest.mark.parametrize("n", [7, 5000, 250_000])
+def test_fit_levels_equals_lloyd_max_against_every_level(count, spread, n):
+    """The fit sorts the magnitudes once and assigns them by the midpoints between the levels;
+    it must give the levels of the direct iteration, to the bit: with ties at a midpoint and
+    empty levels ("three values", 128 levels), and through the sample drawn above 200,000."""
+    g = torch.Generator().manual_seed(n + count)
+    x = {
+        "gaussian": lambda: torch.randn(n, generator=g),
+        "heavy": lambda: torch.randn(n, generator=g) ** 3,
+        "three values": lambda: torch.randint(0, 3, (n,), generator=g).float(),
+    }[spread]()
+    m = levels.relative_magnitudes(x)
+    assert torch.equal(levels.fit_levels(m, count, seed=5), _lloyd_max_by_distance_table(m, count, seed=5))
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3, 8])
 def test_message_round_trip_decodes_to_the_nearest_level_with_the_sign(bits):
     g = torch.Generator().manual_seed(bits)
