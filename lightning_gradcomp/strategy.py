@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -243,6 +243,14 @@ class CompressedDDPStrategy(DDPStrategy):
             return
         current = self.codec.config()
         differ = sorted(k for k in saved.keys() & current.keys() if saved[k] != current[k])
+        coding = [k for k in differ if k in self.codec.lossless_options]
+        if coding:
+            pairs = ", ".join(f"{k}={saved[k]!r} there, {current[k]!r} here" for k in coding)
+            rank_zero_info(
+                f"the checkpoint's codec {self.codec.name!r} coded its messages otherwise: {pairs}. That changes "
+                "the bytes, not what the ranks receive, so the run trains as it would have."
+            )
+        differ = [k for k in differ if k not in self.codec.lossless_options]
         if differ:
             pairs = ", ".join(f"{k}={saved[k]!r} there, {current[k]!r} here" for k in differ)
             rank_zero_warn(

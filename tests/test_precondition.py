@@ -267,7 +267,7 @@ def test_lgc_beside_adam_takes_the_peak_rule_only_for_the_controller_it_attached
     assert _controller_beside("adamw", codec="topk") is None
 
 
-def test_a_resumed_run_takes_what_its_checkpoint_took_beside_adam_and_names_options_that_differ():
+def test_a_resumed_run_takes_what_its_checkpoint_took_beside_adam_and_names_options_that_differ(monkeypatch):
     # recorded by the run that wrote it: taken again, whatever this version's defaults
     recorded = {"options": {"ratio": 0.05}, "controller": {}}
     strategy = _set_up_beside("adamw", codec="lgc", resumed_from={"optimizer_defaults": recorded})
@@ -313,6 +313,28 @@ def test_a_resumed_run_takes_what_its_checkpoint_took_beside_adam_and_names_opti
     with pytest.warns(UserWarning, match=r"options this version does not have: old_knob=3") as caught:
         strategy._warn_options_differ_from_checkpoint()
     assert len(caught) == 1 and "ratio=" not in str(caught[0].message)  # the options both have agree
+    # a code of the positions only changes the bytes: said once as information, not as a warning
+    strategy = _set_up_beside(
+        "adamw", codec="lgc", resumed_from={"options": {**saved["options"], "position_code": "channel"}}
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy._warn_options_differ_from_checkpoint()
+    said: list[str] = []
+    monkeypatch.setattr("lightning_gradcomp.strategy.rank_zero_info", said.append)
+    strategy._warn_options_differ_from_checkpoint()
+    assert len(said) == 1 and "position_code='channel' there, 'kernel' here" in said[0]
+    assert "trains as it would have" in said[0]
+    # beside an option that does change training, that one is still a warning, alone
+    strategy = _set_up_beside(
+        "adamw",
+        codec="lgc",
+        codec_options={"ratio": 0.02},
+        resumed_from={"options": {**saved["options"], "position_code": "channel"}},
+    )
+    with pytest.warns(UserWarning, match=r"ratio=0\.03 there, 0\.02 here") as caught:
+        strategy._warn_options_differ_from_checkpoint()
+    assert len(caught) == 1 and "position_code" not in str(caught[0].message)
 
 
 def test_topk_keeps_its_residual_in_gradient_units_unless_told_otherwise():
