@@ -243,18 +243,21 @@ class CompressedDDPStrategy(DDPStrategy):
             return
         current = self.codec.config()
         differ = sorted(k for k in saved.keys() & current.keys() if saved[k] != current[k])
+
+        def both(keys: list[str]) -> str:
+            return ", ".join(f"{k}={saved[k]!r} there, {current[k]!r} here" for k in keys)
+
+        # an option that only codes the messages otherwise trains the same: information, not a warning
         coding = [k for k in differ if k in self.codec.lossless_options]
-        if coding:
-            pairs = ", ".join(f"{k}={saved[k]!r} there, {current[k]!r} here" for k in coding)
-            rank_zero_info(
-                f"the checkpoint's codec {self.codec.name!r} coded its messages otherwise: {pairs}. That changes "
-                "the bytes, not what the ranks receive, so the run trains as it would have."
-            )
         differ = [k for k in differ if k not in self.codec.lossless_options]
+        if coding:
+            rank_zero_info(
+                f"the checkpoint's codec {self.codec.name!r} coded its messages otherwise: {both(coding)}. "
+                "That changes the bytes, not what the ranks receive, so the run trains as it would have."
+            )
         if differ:
-            pairs = ", ".join(f"{k}={saved[k]!r} there, {current[k]!r} here" for k in differ)
             rank_zero_warn(
-                f"the checkpoint's codec {self.codec.name!r} ran with other options than this run: {pairs}. "
+                f"the checkpoint's codec {self.codec.name!r} ran with other options than this run: {both(differ)}. "
                 "The run goes on with this run's options; give the checkpoint's in codec_options to continue "
                 "as it ran."
             )
