@@ -18,12 +18,23 @@ thread that registered it, so every rank decodes with the same arithmetic.
 Payload packing: an ``allgather`` message is a byte string made of the codec's tensors, each
 aligned to 8 bytes, so that every rank can cut every other rank's message back into tensors of the
 same (fixed) shapes and dtypes without any metadata on the wire.
+
+DEFLATE on the wire (``deflate=True``, a harness option): a message on the CPU travels as its
+bytes split into planes by their place in a 2- or 4-byte word and compressed by zlib (level 1),
+each rank's size all-gathered first (an all-gather moves equal sizes, so every rank pads to the
+longest). Lossless: every rank decodes the same bytes it would have received, so training is
+unchanged to the bit. What it saves is the redundancy of floating-point values that travel
+exactly: a bfloat16 gradient's high bytes (sign and exponent) hold about 3 bits of information,
+so its planes compress to about two thirds (PSPNet's gradient: 0.68; the values of its top half:
+0.61), where the packed codes of a compressed step do not compress at all (a rank whose message
+would grow sends it as it is).
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+import zlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -37,6 +48,9 @@ __all__ = [
     "unpack",
     "allreduce_async",
     "allgather_async",
+    "allgather_deflated_async",
+    "deflate",
+    "inflate",
     "wire_bytes",
     "completed_future",
     "then_like_caller",
@@ -134,6 +148,77 @@ def allgather_async(t: Tensor, group: dist.ProcessGroup | None) -> torch.futures
         return out.view(n, -1)
 
     return work.get_future().then(done)
+
+
+#: zlib's level on the wire: level 1 is within 4 % of level 6 on gradients at a third of the time
+DEFLATE_LEVEL = 1
+
+
+def deflate(msg: Tensor, word: int) -> Tensor:
+    """The bytes of the 1-D uint8 CPU tensor ``msg`` split into ``word`` planes (every word's first
+    byte, then every second byte, ...: the sign and exponent bytes of floats of that size fall in
+    one plane) and compressed by zlib. Inverse: :func:`inflate` with ``msg.numel()``."""
+    data = msg.numpy()
+    pad = -data.size % word
+    if pad:
+        data = torch.cat([msg, msg.new_zeros(pad)]).numpy()
+    planes = data.reshape(-1, word).T.tobytes()
+    return torch.frombuffer(bytearray(zlib.compress(planes, DEFLATE_LEVEL)), dtype=torch.uint8)
+
+
+def inflate(data: Tensor, nbytes: int, word: int) -> Tensor:
+    """Inverse of :func:`deflate`: the ``nbytes`` bytes of the message (a uint8 CPU tensor)."""
+    if nbytes == 0:  # torch.frombuffer takes no empty buffer
+        return torch.empty(0, dtype=torch.uint8)
+    planes = torch.frombuffer(bytearray(zlib.decompress(data.numpy().tobytes())), dtype=torch.uint8)
+    return planes.view(word, -1).t().reshape(-1)[:nbytes]
+
+
+class DeflatedRows:
+    """What :func:`allgather_deflated_async` gathered: every rank's padded message and its size
+    (the message's own size: it travelled as it is). :meth:`rows` inflates them."""
+
+    def __init__(self, gathered: Tensor, sizes: list[int], own: Tensor, rank: int, word: int) -> None:
+        self.gathered, self.sizes, self.own, self.rank, self.word = gathered, sizes, own, rank, word
+
+    def rows(self) -> Tensor:
+        """Every rank's message, ``(world_size, n)`` uint8 (this rank's is its own, not decoded)."""
+        n = self.own.numel()
+        out = torch.empty(len(self.sizes), n, dtype=torch.uint8)
+        for r, size in enumerate(self.sizes):
+            if r == self.rank:
+                out[r] = self.own
+            elif size == n:
+                out[r] = self.gathered[r, :n]
+            else:
+                out[r] = inflate(self.gathered[r, :size], n, self.word)
+        return out
+
+
+def allgather_deflated_async(
+    msg: Tensor, group: dist.ProcessGroup | None, word: int
+) -> tuple[torch.futures.Future, int]:
+    """:func:`allgather_async` of a 1-D uint8 CPU ``msg`` as :func:`deflate` compresses it (see the
+    module docstring). Every rank's compressed size is all-gathered first, in the caller's thread
+    (the hook body, never a callback); a rank whose message would not shrink sends it as it is.
+    Returns the future, which resolves to :class:`DeflatedRows`, and the bytes this rank hands to
+    the two all-gathers (its padded message and its size)."""
+    world = dist.get_world_size(group)
+    n = msg.numel()
+    packed = deflate(msg, word)
+    payload = packed if packed.numel() < n else msg
+    sizes = all_gather(torch.tensor([payload.numel()], dtype=torch.int64), group, world).reshape(-1).tolist()
+    longest = max(sizes)
+    send = torch.cat([payload, payload.new_zeros(longest - payload.numel())])
+    out = torch.empty(world * longest, dtype=torch.uint8)
+    work = all_gather_flat(out, send, group=group, async_op=True)
+    rank = dist.get_rank(group)
+
+    def done(fut: torch.futures.Future) -> DeflatedRows:
+        fut.value()  # re-raises a failed collective (a dead or stalled rank): never decode garbage
+        return DeflatedRows(out.view(world, longest), sizes, msg, rank, word)
+
+    return work.get_future().then(done), longest + 8
 
 
 def all_gather_flat(out: Tensor, t: Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False):

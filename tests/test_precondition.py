@@ -325,6 +325,13 @@ def test_a_resumed_run_takes_what_its_checkpoint_took_beside_adam_and_names_opti
     strategy._warn_options_differ_from_checkpoint()
     assert len(said) == 1 and "position_code='channel' there, 'kernel' here" in said[0]
     assert "trains as it would have" in said[0]
+    # so does the harness's lossless pass on the wire (deflate)
+    strategy = _set_up_beside("adamw", codec="lgc", resumed_from={"options": {**saved["options"], "deflate": True}})
+    said.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy._warn_options_differ_from_checkpoint()
+    assert len(said) == 1 and "deflate=True there, False here" in said[0]
     # beside an option that does change training, that one is still a warning, alone
     strategy = _set_up_beside(
         "adamw",

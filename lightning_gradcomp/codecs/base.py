@@ -235,8 +235,8 @@ class Codec:
     #: codecs measured to need them together with its light steps (``{"lr_scaled_feedback": True}``)
     adaptive_harness_defaults: ClassVar[Mapping[str, Any]] = {}
     #: options that change only how a message is coded, not what it decodes to (a code of the
-    #: positions): a run resumed with another value trains as it would have
-    lossless_options: ClassVar[frozenset[str]] = frozenset()
+    #: positions, the harness's ``deflate``): a run resumed with another value trains as it would have
+    lossless_options: ClassVar[frozenset[str]] = frozenset({"deflate"})
 
     def __init__(self, **options: Any) -> None:
         own = {f.name for f in dataclasses.fields(self.Options)}

@@ -194,7 +194,7 @@ class IWPCodec(AdjustableLevel, MultiRound, Codec):
     adaptive_by_default = True
     adaptive_optimizer_controller = {"lr_reference": "peak"}
     adaptive_harness_defaults = {"lr_scaled_feedback": True}
-    lossless_options = frozenset({"index_encoding"})
+    lossless_options = Codec.lossless_options | {"index_encoding"}
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)

@@ -452,7 +452,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         "plain_dtype": "bfloat16",
     }
     adaptive_optimizer_controller = {"lr_reference": "peak"}
-    lossless_options = frozenset({"position_code"})
+    lossless_options = Codec.lossless_options | {"position_code"}
 
     def optimizer_defaults(self) -> dict[str, Any]:
         """The union support is for the 2-bit levels: beside the autoencoder's code, which decodes

@@ -1,12 +1,20 @@
 """The all-gather path: payloads that do not sum (each rank keeps its own positions or scales)
-are packed into one byte message per rank, gathered, and aggregated by the codec."""
+are packed into one byte message per rank, gathered (compressed without loss with ``deflate``),
+and aggregated by the codec."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.comm import allgather_async, pack, then_like_caller, unpack
+from lightning_gradcomp.comm import (
+    DeflatedRows,
+    allgather_async,
+    allgather_deflated_async,
+    pack,
+    then_like_caller,
+    unpack,
+)
 from lightning_gradcomp.hook.encode import Encoded, holds_nonfinite
 from lightning_gradcomp.timing import Span
 
@@ -17,14 +25,21 @@ def send(state, buf: Tensor, enc: Encoded, flag: Tensor, step: int) -> torch.fut
     codec, world = state.codec, state.world_size
     dense = enc.dense.to(getattr(torch, codec.harness.dense_dtype))
     msg, layout = pack(enc.payload() + [dense, flag], buf.device)
-    fut = allgather_async(msg, state.process_group)
+    if state.deflating(msg):
+        # words of 2 bytes: the values that travel exactly are bfloat16 by default
+        fut, nbytes = allgather_deflated_async(msg, state.process_group, word=2)
+    else:
+        fut, nbytes = allgather_async(msg, state.process_group), layout.payload_bytes
     enc.t1 = enc.clock.mark()
-    enc.record(state, buf, "allgather", layout.payload_bytes)
+    enc.record(state, buf, "allgather", nbytes)
 
     def finish(fut: torch.futures.Future) -> Tensor:
         t2 = enc.clock.mark()
         state.stats.add(comm_s=Span(enc.clock, enc.t1, t2))
-        rows = [unpack(r, layout) for r in state.received(fut, step)]
+        gathered = state.received(fut, step)
+        if isinstance(gathered, DeflatedRows):
+            gathered = gathered.rows()
+        rows = [unpack(r, layout) for r in gathered]
         # host sync 1 of 2: every rank's flag, before any decode sees a non-finite payload
         if bool(torch.stack([r[-1][0] for r in rows]).sum() > 0):
             return enc.settle(state, buf, keep=False)

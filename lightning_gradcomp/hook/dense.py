@@ -2,7 +2,9 @@
 never compress. Residuals left from compressed steps are flushed into the bucket, so nothing is
 lost, and a learning codec observes the averaged gradients. With ``plain_dtype="bfloat16"`` the
 bucket travels in half the bytes and, with error feedback, each rank's rounding error becomes its
-residual."""
+residual. With ``deflate`` and two ranks the two messages are compressed without loss and gathered,
+and each rank sums them as the all-reduce would have (two addends in the message's dtype: the same
+bits whichever rank adds)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.codecs.base import LearnedState
-from lightning_gradcomp.comm import allreduce_async, then_like_caller
+from lightning_gradcomp.comm import DeflatedRows, allgather_deflated_async, allreduce_async, then_like_caller
 from lightning_gradcomp.hook.encode import velocity
 from lightning_gradcomp.stats import record_bucket
 from lightning_gradcomp.timing import Span, clock_for
@@ -49,14 +51,24 @@ def send(state, buf: Tensor, layers: list, flag: Tensor, step: int) -> torch.fut
         msg = torch.empty(n + 1, dtype=buf.dtype, device=buf.device)
         torch.div(buf.reshape(-1), world, out=msg[:n])
     msg[n:] = flag
-    record_bucket(state.stats.add, buf, world, "allreduce", msg.numel() * msg.element_size(), compressed=False)
     clock = clock_for(buf.device)
+    if world == 2 and state.deflating(msg):
+        # a ring all-reduce of N ranks sends 2 (N - 1) / N of the message, a gather of compressed
+        # ones N - 1 times their size: the gather sends less for two ranks only
+        fut, nbytes = allgather_deflated_async(msg.view(torch.uint8), state.process_group, word=msg.element_size())
+        record_bucket(state.stats.add, buf, world, "allgather", nbytes, compressed=False)
+    else:
+        fut = allreduce_async(msg, state.process_group)
+        record_bucket(state.stats.add, buf, world, "allreduce", msg.numel() * msg.element_size(), compressed=False)
     launched = clock.mark()
     observe = [(k, g) for k, g, p in layers if codec.should_compress(k, p)] if isinstance(codec, LearnedState) else []
 
     def finish(fut: torch.futures.Future) -> Tensor:
         t = state.received(fut, step)
         state.stats.add(comm_s=Span(clock, launched, clock.mark()))
+        if isinstance(t, DeflatedRows):
+            rows = t.rows().view(msg.dtype)
+            t = rows[0] + rows[1]
         # the one host sync of the bucket: whether to keep it is decided on the host
         if float(t[n]) > 0:
             return state.settle(buf, False, rounding_keys or flushed, all_keys)
@@ -72,4 +84,4 @@ def send(state, buf: Tensor, layers: list, flag: Tensor, step: int) -> torch.fut
             codec.observe_dense(k, g.reshape(-1), step)
         return buf
 
-    return then_like_caller(allreduce_async(msg, state.process_group), finish)
+    return then_like_caller(fut, finish)

@@ -155,6 +155,11 @@ class CodecHookState:
     def world_size(self) -> int:
         return dist.get_world_size(self.process_group)
 
+    def deflating(self, msg: Tensor) -> bool:
+        """Whether ``msg`` travels compressed without loss (the ``deflate`` harness option): on
+        the CPU, with another rank to send it to."""
+        return self.codec.harness.deflate and msg.device.type == "cpu" and self.world_size > 1
+
     def key_of(self, param: Tensor) -> str:
         name = self.param_names.get(id(param))
         if name is not None:
