@@ -37,6 +37,28 @@ def test_a_bfloat16_gradient_shrinks_by_its_exponent_planes():
     assert planes < interleaved
 
 
+def _gather_mixed(rank: int, world: int) -> list[torch.Tensor]:
+    from lightning_gradcomp.comm import allgather_deflated_async
+
+    gen = torch.Generator().manual_seed(rank)
+    # rank 0's bytes do not compress and travel as they are; the others' shrink
+    msg = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=gen) if rank == 0 else torch.full((5000,), rank)
+    fut, nbytes = allgather_deflated_async(msg.to(torch.uint8), None, word=2)
+    rows = fut.wait().rows()
+    return [rows, torch.tensor(nbytes)]
+
+
+def test_a_gather_mixes_raw_and_deflated_messages_and_every_rank_reads_every_one():
+    out = run_gloo(_gather_mixed, 3)
+    expected = torch.stack(
+        [torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))]
+        + [torch.full((5000,), r, dtype=torch.uint8) for r in (1, 2)]
+    )
+    for rows, nbytes in out:
+        assert torch.equal(rows, expected)
+        assert int(nbytes) == 5000 + 8  # the longest message (rank 0's, as it is) and the size
+
+
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
