@@ -134,7 +134,7 @@ class HarnessOptions(CodecOptions):
             compressed by zlib, each rank's size all-gathered first (``lightning_gradcomp.comm``).
             What the ranks receive is unchanged to the bit, so training is too; what it saves is
             the redundancy of values that travel exactly (a bfloat16 gradient's planes compress to
-            about two thirds), at a CPU cost of about 15 ms a megabyte (zlib level 1, one core).
+            about two thirds), at a CPU cost of 15-20 ms a megabyte (zlib level 1, one core).
             It applies to the all-gathered messages and, with two ranks, to the plain all-reduce
             (gathered and summed as the all-reduce sums, in the same dtype; with more ranks a ring
             all-reduce sends less than a gather of compressed messages). On a GPU messages travel

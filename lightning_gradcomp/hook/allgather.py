@@ -26,7 +26,7 @@ def send(state, buf: Tensor, enc: Encoded, flag: Tensor, step: int) -> torch.fut
     dense = enc.dense.to(getattr(torch, codec.harness.dense_dtype))
     msg, layout = pack(enc.payload() + [dense, flag], buf.device)
     if state.deflating(msg):
-        # words of 2 bytes: the values that travel exactly are bfloat16 by default
+        # words of 2 bytes: a bfloat16 value's sign and exponent byte, or an fp32 value's upper half
         fut, nbytes = allgather_deflated_async(msg, state.process_group, word=2)
     else:
         fut, nbytes = allgather_async(msg, state.process_group), layout.payload_bytes
