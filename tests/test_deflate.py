@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import run_gloo
-from torch import nn
+from test_plain_dtype import _steps  # the same two-layer run, stage, gradients and bytes a step
 
 from lightning_gradcomp.comm import deflate, inflate
 from lightning_gradcomp.registry import make_codec
@@ -59,52 +59,20 @@ def test_a_gather_mixes_raw_and_deflated_messages_and_every_rank_reads_every_one
         assert int(nbytes) == 5000 + 8  # the longest message (rank 0's, as it is) and the size
 
 
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
-
-
-def _run(rank: int, world: int, options: dict) -> list[dict]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from lightning_gradcomp.api import make_comm_hook
-
-    model = _mlp()
-    ddp = DDP(model)
-    state, hook = make_comm_hook("lgc", ddp, stats_every=1, fallback=False, **options)
-    ddp.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    gen = torch.Generator().manual_seed(7 + rank)
-    rows = []
-    for step in range(STEPS):
-        x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
-        opt.zero_grad()
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        stats = state.stats.pop()
-        rows.append(
-            {
-                "stage": state.codec.stage(step),
-                "grads": [p.grad.clone() for p in model.parameters()],
-                "bytes": stats.wire_bytes,
-            }
-        )
-        opt.step()
-    return rows
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_deflated_messages_train_to_the_same_bits_with_fewer_bytes(world):
     """Every stage of ``lgc`` with and without ``deflate``: the same gradients on every rank and
     step, to the bit. With two ranks the plain steps of stage 1 are gathered compressed and summed
     as the all-reduce sums; with three they stay an all-reduce (the same bytes). Stage 2's exact
     values in bfloat16 travel in fewer bytes either way."""
-    runs = {on: run_gloo(_run, world, args=(dict(LGC, plain_dtype="bfloat16", deflate=on),)) for on in (False, True)}
+    options = {on: dict(LGC, plain_dtype="bfloat16", deflate=on) for on in (False, True)}
+    runs = {on: run_gloo(_steps, world, args=("lgc", options[on], STEPS)) for on in (False, True)}
     plain, deflated = runs[False], runs[True]
     assert [r["stage"] for r in plain[0]] == [1] * WARMUP + [2] * TRAIN + [3] * (STEPS - WARMUP - TRAIN)
     for step in range(STEPS):
         for rank in range(world):
-            for a, b in zip(plain[rank][step]["grads"], deflated[rank][step]["grads"]):
-                assert torch.equal(a, b), (step, rank)
+            for name, g in plain[rank][step]["grads"].items():
+                assert torch.equal(g, deflated[rank][step]["grads"][name]), (step, rank, name)
     for step, (p, d) in enumerate(zip(plain[0], deflated[0])):
         if p["stage"] == 1 and world > 2:
             assert d["bytes"] == p["bytes"]
