@@ -166,6 +166,7 @@ _HARNESS_ADDED = {
     "precondition": {"default": False},
     "dense_dtype": {"default": "float32", "lgc": "bfloat16"},
     "plain_dtype": {"default": "float32"},
+    "deflate": {"default": False},  # lossless; off for every codec
 }
 
 
