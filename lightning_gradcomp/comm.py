@@ -210,15 +210,9 @@ def allgather_deflated_async(
     sizes = all_gather(torch.tensor([payload.numel()], dtype=torch.int64), group, world).reshape(-1).tolist()
     longest = max(sizes)
     send = torch.cat([payload, payload.new_zeros(longest - payload.numel())])
-    out = torch.empty(world * longest, dtype=torch.uint8)
-    work = all_gather_flat(out, send, group=group, async_op=True)
     rank = dist.get_rank(group)
-
-    def done(fut: torch.futures.Future) -> DeflatedRows:
-        fut.value()  # re-raises a failed collective (a dead or stalled rank): never decode garbage
-        return DeflatedRows(out.view(world, longest), sizes, msg, rank, word)
-
-    return work.get_future().then(done), longest + 8
+    fut = allgather_async(send, group)  # its value re-raises a failed collective
+    return fut.then(lambda gathered: DeflatedRows(gathered.value(), sizes, msg, rank, word)), longest + 8
 
 
 def all_gather_flat(out: Tensor, t: Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False):
