@@ -120,6 +120,7 @@ from lightning_gradcomp.codecs.positions import (
     rice_positions,
     unary_bits,
     union_of,
+    union_slots,
 )
 from lightning_gradcomp.codecs.powersgd import PowerSGDCodec
 from lightning_gradcomp.codecs.sampling import DensityWarmup, check_density_warmup, keep_count, named_count, select_top
@@ -150,6 +151,7 @@ class _Shared(NamedTuple):
     own_code: Any  # the leader's own code, computed for the run-time guard (reused by encode)
     named: Tensor | None = None  # a union support: (N, K) mask, True where that rank named the position
     size: int = 0  # a union support: the support's configured size k (it picks the levels' table)
+    slots: tuple[list[Tensor], list[Tensor]] | None = None  # a coded union support: union_slots(named)
 
 
 class _Ternary:
@@ -173,6 +175,7 @@ class _LayerContext(NamedTuple):
     coded: bool
     named: Tensor | None = None
     size: int = 0
+    slots: tuple[list[Tensor], list[Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -835,7 +838,8 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 bits = levels.table_bits(self._levels_for(key, k, n))
                 sent = levels.message_nbytes(m, bits) + (levels.message_nbytes(u - m, bits) if u > m else 0)
             self._count_layer(step, stage, k, n, u, a, coded, sent)
-            shared[key] = _Shared(support, 1.0, None, coded, own_codes[i], named, k)
+            slots = union_slots(named) if coded else None
+            shared[key] = _Shared(support, 1.0, None, coded, own_codes[i], named, k, slots)
         self.last_timing["prepare_s"] = time.perf_counter() - t0
         return Prepared(first + second, shared, collective="allgather")
 
@@ -1159,24 +1163,26 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         idx, coded, own_code = prepared.support, prepared.coded, prepared.own_code
         named, k = prepared.named, prepared.size
         v = x[idx]
-        mine = named[self.rank]
         local = torch.zeros_like(x)
+        ctx = _LayerContext(idx, 1.0, None, step, key, coded, named, k, prepared.slots)
         if self.rank == 0 and self._refitting(step) and key in self._levels:
             denser = k > keep_count(self.options.ratio, x.numel())
+            mine = named[self.rank]
             self._keep_for_refit(key, step, v[mine], denser, levels.LEADER)
             if not bool(mine.all()):
                 self._keep_for_refit(key, step, v[~mine], denser, levels.OTHERS)
-        ctx = _LayerContext(idx, 1.0, None, step, key, coded, named, k)
         if not coded:
             sent = self._exact(v, step)
             local[idx] = sent.to(local.dtype)
             return EncodeResult([sent], local=local, ctx=ctx)
         message, rec = own_code
-        decoded = torch.empty_like(v)
-        decoded[mine] = rec
-        rest = v[~mine]
+        own, rest = prepared.slots[0][self.rank], prepared.slots[1][self.rank]
+        decoded = torch.empty_like(v).index_copy_(0, own, rec)
         if rest.numel():  # else every rank named the same positions: nothing else to send
-            other_message, decoded[~mine] = levels.encode(rest, self._levels_for(key, k, x.numel(), levels.OTHERS))
+            other_message, other_rec = levels.encode(
+                v.index_select(0, rest), self._levels_for(key, k, x.numel(), levels.OTHERS)
+            )
+            decoded.index_copy_(0, rest, other_rec)
             message = message + other_message
         local[idx] = decoded
         return EncodeResult(message, local=local, ctx=ctx)
@@ -1184,17 +1190,15 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
     def _aggregate_union(self, payloads: Sequence[list[Tensor]], ctx: _LayerContext, numel: int) -> Tensor:
         """The sum of every rank's decoded values on a union support where the code carries the
         layer (:meth:`_encode_union`)."""
-        idx, named = ctx.support, ctx.named
+        idx, (owns, rests) = ctx.support, ctx.slots
         out = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
         table = self._levels_for(ctx.key, ctx.size, numel)
         total = torch.zeros(idx.numel(), dtype=torch.float32, device=out.device)
-        for r, p in enumerate(payloads):
-            mine = named[r]
-            m = int(mine.sum())
+        for p, own, rest in zip(payloads, owns, rests):
             decoded = torch.empty_like(total)
-            decoded[mine] = levels.decode(p[0:2], table[levels.LEADER], m)
-            if m < idx.numel():
-                decoded[~mine] = levels.decode(p[2:4], table[levels.OTHERS], idx.numel() - m)
+            decoded.index_copy_(0, own, levels.decode(p[0:2], table[levels.LEADER], own.numel()))
+            if rest.numel():
+                decoded.index_copy_(0, rest, levels.decode(p[2:4], table[levels.OTHERS], rest.numel()))
             total += decoded
         out[idx] = total
         return out
