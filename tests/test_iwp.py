@@ -86,13 +86,15 @@ def test_union_of_equals_the_sorted_union_and_its_membership(n, ranks, seed):
         assert torch.equal(named[r], torch.isin(expected, pos))
         assert torch.equal(support[named[r]], pos)  # each rank's set, back in its order
     # the same membership as indices into the support, once for every use in a step
-    owns, rests = union_slots(named)
+    owns, rests = union_slots(names, n, support, named)
     for r, pos in enumerate(names):
-        assert torch.equal(support[owns[r]], pos) and owns[r].dtype == torch.int64
+        assert torch.equal(support[owns[r]], pos) and owns[r].dtype == torch.int64  # in the set's order
         assert torch.equal(support[rests[r]], expected[~torch.isin(expected, pos)])
     # the order within a set does not matter (lgc's sample cut passes top-k picks unsorted)
-    unsorted = union_of([pos.flip(0) for pos in names], n)
+    flipped = [pos.flip(0) for pos in names]
+    unsorted = union_of(flipped, n)
     assert torch.equal(unsorted[0], support) and torch.equal(unsorted[1], named)
+    assert all(torch.equal(a, b.flip(0)) for a, b in zip(union_slots(flipped, n, *unsorted)[0], owns))
 
 
 # --------------------------------------------------------------------------------------------------

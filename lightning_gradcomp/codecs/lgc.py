@@ -151,7 +151,7 @@ class _Shared(NamedTuple):
     own_code: Any  # the leader's own code, computed for the run-time guard (reused by encode)
     named: Tensor | None = None  # a union support: (N, K) mask, True where that rank named the position
     size: int = 0  # a union support: the support's configured size k (it picks the levels' table)
-    slots: tuple[list[Tensor], list[Tensor]] | None = None  # a coded union support: union_slots(named)
+    slots: tuple[list[Tensor], list[Tensor]] | None = None  # a union support in stage 3: union_slots
 
 
 class _Ternary:
@@ -838,7 +838,10 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 bits = levels.table_bits(self._levels_for(key, k, n))
                 sent = levels.message_nbytes(m, bits) + (levels.message_nbytes(u - m, bits) if u > m else 0)
             self._count_layer(step, stage, k, n, u, a, coded, sent)
-            slots = union_slots(named) if coded else None
+            # where each rank's names sit in the support: read by the code, and by rank 0's refit
+            # samples (of every layer with levels, carried or not)
+            refit = self.rank == 0 and key in self._levels and self._refitting(step)
+            slots = union_slots(names[i], n, support, named) if a or refit else None
             shared[key] = _Shared(support, 1.0, None, coded, own_codes[i], named, k, slots)
         self.last_timing["prepare_s"] = time.perf_counter() - t0
         return Prepared(first + second, shared, collective="allgather")
@@ -1167,10 +1170,10 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         ctx = _LayerContext(idx, 1.0, None, step, key, coded, named, k, prepared.slots)
         if self.rank == 0 and self._refitting(step) and key in self._levels:
             denser = k > keep_count(self.options.ratio, x.numel())
-            mine = named[self.rank]
-            self._keep_for_refit(key, step, v[mine], denser, levels.LEADER)
-            if not bool(mine.all()):
-                self._keep_for_refit(key, step, v[~mine], denser, levels.OTHERS)
+            own, rest = prepared.slots[0][self.rank], prepared.slots[1][self.rank]
+            self._keep_for_refit(key, step, v.index_select(0, own), denser, levels.LEADER)
+            if rest.numel():
+                self._keep_for_refit(key, step, v.index_select(0, rest), denser, levels.OTHERS)
         if not coded:
             sent = self._exact(v, step)
             local[idx] = sent.to(local.dtype)
