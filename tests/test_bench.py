@@ -64,6 +64,7 @@ def test_link_on_loopback_runs_two_ranks_started_like_two_nodes(tmp_path, monkey
     rows = {r["codec"]: r for r in data["rows"]}
     assert list(rows) == ["floor", "none", "topk"]
     assert data["meta"]["mode"] == "loopback"
+    assert data["meta"]["optimizer"] == "sgd" and data["meta"]["level"] is None
     for r in rows.values():
         assert r["measured_steps"] == 2 and r["rate"] == "loopback" and r["hosts"] == 2
         assert r["step_s"] > 0 and r["warmup_steps"] >= 3
@@ -153,6 +154,25 @@ def test_tables_csv_and_markdown(tmp_path):
     assert path.read_text().splitlines() == ["a,b", "x,1.23456", "yy,"]
 
 
+def test_link_beside_adamw_gives_codecs_their_adam_defaults_at_the_level_asked(tmp_path, monkeypatch):
+    """``--optimizer adamw``: each codec takes its defaults beside an Adam-like optimizer, as in the
+    recipes, under the options given; ``--level`` holds every adjustable codec's level."""
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    monkeypatch.setattr(netns, "available", lambda: (False, "not running as root"))
+    out = tmp_path / "link"
+    options = {"lgc": {"warmup_steps": 1, "ae_train_steps": 2}}
+    argv = ["link", "--model", "tiny", "--codecs", "lgc,topk", "--no-floor", "--optimizer", "adamw", "--level", "0"]
+    argv += ["--codec-options", json.dumps(options), "--steps", "1", "--warmup", "2", "--max-warmup", "6"]
+    assert bench_main(argv + ["--out", str(out)]) == 0
+    data = json.loads((out / "link.json").read_text())
+    assert data["meta"]["optimizer"] == "adamw" and data["meta"]["level"] == 0.0
+    for rank in data["runs"][0]["ranks"]:
+        runs = {c["codec"]: c for c in rank}
+        lgc = runs["lgc"]["options"]
+        assert (lgc["support"], lgc["ratio"], lgc["warmup_steps"]) == ("union", 0.14, 1)  # given options kept
+        assert runs["lgc"]["level"] == runs["topk"]["level"] == 0.0
+
+
 def test_bad_rate_and_codec_are_refused(tmp_path):
     with pytest.raises(ValueError, match="rate must look like"):
         netns.parse_rate("fast")
@@ -161,6 +181,8 @@ def test_bad_rate_and_codec_are_refused(tmp_path):
         bench_main(["link", "--codecs", "nosuch", "--loopback", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--rates"):
         bench_main(["link", "--codecs", "none", "--rates", "10mb", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--level must be in"):
+        bench_main(["link", "--codecs", "none", "--level", "2", "--loopback", "--out", str(tmp_path)])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from lightning_gradcomp.bench.results import Column, format_table, machine_info,
 __all__ = [
     "COLUMNS",
     "DEFAULT_CODECS",
+    "OPTIMIZERS",
     "SEED_CODECS",
     "add_arguments",
     "combine_repeats",
@@ -46,6 +47,8 @@ __all__ = [
 DEFAULT_CODECS = ("none", "fp16", "topk", "powersgd")
 SEED_CODECS = ("gradiveq", "fft", "lgc", "iwp")
 FLOOR = "floor"
+#: the benchmark model's optimizer: SGD with momentum 0.9, or AdamW (the segmentation recipe's)
+OPTIMIZERS = ("sgd", "adamw")
 
 COLUMNS = [
     Column("hosts", "hosts"),
@@ -95,6 +98,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--batch-size", type=int, default=None, help="per rank (default 32 for resnet18, 8 for pspnet, 4 for pspnet18)"
     )
     p.add_argument("--image-size", type=int, default=None)
+    p.add_argument(
+        "--optimizer",
+        default="sgd",
+        choices=OPTIMIZERS,
+        help="sgd (momentum 0.9) or adamw; beside adamw a codec takes its defaults for Adam-like "
+        "optimizers, as the recipes' runs do (default: %(default)s)",
+    )
+    p.add_argument(
+        "--level",
+        type=float,
+        default=None,
+        help="the compression level in [0, 1] of codecs that adjust theirs (0: the light setting, 1: the "
+        "configured one, the default; the level controller is off in these runs)",
+    )
     p.add_argument("--warmup", type=int, default=3, help="at least this many unmeasured steps per codec")
     p.add_argument(
         "--max-warmup", type=int, default=30, help="measure anyway after this many steps without compression"
@@ -171,6 +188,8 @@ def worker_args(args: argparse.Namespace, codecs: list[str], out: Path) -> list[
         args.codec_options,
         "--model",
         args.model,
+        "--optimizer",
+        args.optimizer,
         "--warmup",
         str(args.warmup),
         "--max-warmup",
@@ -188,6 +207,8 @@ def worker_args(args: argparse.Namespace, codecs: list[str], out: Path) -> list[
         cmd += ["--batch-size", str(args.batch_size)]
     if args.image_size:
         cmd += ["--image-size", str(args.image_size)]
+    if args.level is not None:
+        cmd += ["--level", str(args.level)]
     return cmd
 
 
@@ -305,6 +326,8 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--hosts must be >= 2, got {args.hosts}")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+    if args.level is not None and not 0.0 <= args.level <= 1.0:
+        raise SystemExit(f"--level must be in [0, 1], got {args.level}")
     rates: list[str | None] = [r for r in args.rates.split(",") if r]
     for r in rates:
         try:
@@ -420,6 +443,8 @@ def write_results(
         "benchmark": "link",
         "model": args.model,
         "batch_size": args.batch_size,
+        "optimizer": args.optimizer,
+        "level": args.level,
         "mode": "loopback" if args.loopback else "netns",
         "fast_warmup": not args.no_fast_warmup,
         "burst": netns.BURST,

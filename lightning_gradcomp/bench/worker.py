@@ -49,8 +49,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.bench.link import OPTIMIZERS
 from lightning_gradcomp.callbacks.monitor import CompressionMonitor
 from lightning_gradcomp.codecs.base import BucketRouter, Codec, MultiRound, RoundContext
+from lightning_gradcomp.codecs.extensions import AdjustableCompression
 from lightning_gradcomp.comm import completed_future
 
 __all__ = ["NoCommCodec", "main", "summarize"]
@@ -227,25 +229,38 @@ def run_codec(name: str, options: dict[str, Any], args: argparse.Namespace, link
             return loss_fn(self.net(x), y)
 
         def configure_optimizers(self) -> Any:
+            if args.optimizer == "adamw":  # the strategy gives the codec its Adam-like defaults
+                return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=1e-4)
             return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
     try:
         codec = make_bench_codec(name, options)
     except (ValueError, TypeError) as err:  # raised alike on every rank: report it and go on
         return {"codec": name, "options": options, "error": str(err), "steps": [], "measured_steps": 0}
+    # the floor sends nothing: there is nothing for the fallback to weigh, and its probe steps
+    # would send plainly inside the floor's measurement
+    fallback = False if isinstance(codec, NoCommCodec) else None
+    # beside AdamW by name: the strategy then gives the codec its defaults beside an Adam-like
+    # optimizer (a codec object is kept as it is)
+    by_name = args.optimizer == "adamw" and not isinstance(codec, NoCommCodec)
+    # steady-state step times: no level controller (auto would otherwise start in its light arms)
+    strategy = CompressedDDPStrategy(
+        codec=name.split("@", 1)[0] if by_name else codec,
+        codec_options=options if by_name else None,
+        process_group_backend="gloo",
+        init_sync=False,
+        fallback=fallback,
+        adaptive_level=False,
+    )
+    codec = strategy.codec
+    if args.level is not None and isinstance(codec, AdjustableCompression):
+        codec.set_level(args.level)  # held there: no controller
     pl.seed_everything(0, verbose=False)  # identical models on every rank: no initial broadcast needed
     module = BenchModule()
     recorder = StepRecorder(codec, args, link)
     max_steps = args.max_warmup + args.steps + 2
     batch = synthetic_batch(args.model, args.batch_size, args.image_size)
     loader = DataLoader([batch] * max_steps, batch_size=None)
-    # the floor sends nothing: there is nothing for the fallback to weigh, and its probe steps
-    # would send plainly inside the floor's measurement
-    fallback = False if isinstance(codec, NoCommCodec) else None
-    # steady-state step times: no level controller (auto would otherwise start in its light arms)
-    strategy = CompressedDDPStrategy(
-        codec=codec, process_group_backend="gloo", init_sync=False, fallback=fallback, adaptive_level=False
-    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -267,6 +282,7 @@ def run_codec(name: str, options: dict[str, Any], args: argparse.Namespace, link
         "codec": name,
         "options": codec.config(),
         "collective": codec.collective_at(strategy.hook_state.step - 1),
+        "level": codec.compression_level if isinstance(codec, AdjustableCompression) else None,
         "warmup_steps": recorder.warmup_steps,
         "warmup_exhausted": recorder.warmup_exhausted,
         "rel_error": recorder.rel_error,
@@ -289,6 +305,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--codecs", required=True, help="comma list; 'floor' is the no-communication floor")
     p.add_argument("--codec-options", default="{}", help='JSON {"codec": {option: value}}')
     p.add_argument("--model", default="resnet18")
+    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
+    p.add_argument("--level", type=float, default=None, help="the compression level of adjustable codecs")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--image-size", type=int, default=None)
     p.add_argument("--warmup", type=int, default=3)
