@@ -92,6 +92,9 @@ def test_message_round_trip_decodes_to_the_nearest_level_with_the_sign(bits):
     assert message[1].numel() == codes_nbytes(1001, bits)
     assert torch.equal(levels.decode(message, lv, 1001), decoded)
     assert torch.equal(decoded.sign(), v.sign())
+    # bit for bit: the sign times the product of the level and the message's RMS
+    r, index = message[0], levels.nearest(v.abs() / message[0], lv)
+    assert torch.equal(decoded, torch.where(v < 0, -(lv[index] * r), lv[index] * r))
     rms = v.pow(2).mean().sqrt()
     nearest = lv[(v.abs().unsqueeze(1) / rms - lv).abs().argmin(1)] * rms
     torch.testing.assert_close(decoded.abs(), nearest)
