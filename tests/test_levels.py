@@ -81,6 +81,18 @@ def test_fit_levels_equals_lloyd_max_against_every_level(count, spread, n):
     assert torch.equal(levels.fit_levels(m, count, seed=5), _lloyd_max_by_distance_table(m, count, seed=5))
 
 
+@pytest.mark.parametrize("count", [1, 2, 4, 8, 9, 16, 128])
+def test_nearest_is_the_binary_search_over_the_midpoints_whichever_way_it_counts(count):
+    # few levels are counted against the midpoints, more go through torch.bucketize: the same
+    # index for every magnitude, ties at a midpoint (to the lower level), 0, inf and NaN included
+    g = torch.Generator().manual_seed(count)
+    lv = torch.rand(count, generator=g).sort().values * 3
+    midpoints = (lv[1:] + lv[:-1]) / 2
+    special = torch.tensor([0.0, float("inf"), float("nan"), *midpoints.tolist()])
+    m = torch.cat([torch.rand(5000, generator=g) * 4, special])
+    assert torch.equal(levels.nearest(m, lv), torch.bucketize(m, midpoints))
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3, 8])
 def test_message_round_trip_decodes_to_the_nearest_level_with_the_sign(bits):
     g = torch.Generator().manual_seed(bits)
