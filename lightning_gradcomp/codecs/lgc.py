@@ -838,10 +838,8 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 bits = levels.table_bits(self._levels_for(key, k, n))
                 sent = levels.message_nbytes(m, bits) + (levels.message_nbytes(u - m, bits) if u > m else 0)
             self._count_layer(step, stage, k, n, u, a, coded, sent)
-            # where each rank's names sit in the support: read by the code, and by rank 0's refit
-            # samples (of every layer with levels, carried or not)
-            refit = self.rank == 0 and key in self._levels and self._refitting(step)
-            slots = union_slots(names[i], n, support, named) if a or refit else None
+            # where each rank's names sit in the support: read by the code and by the refit samples
+            slots = union_slots(names[i], n, support, named) if a or self._keeps_refit_sample(key, step) else None
             shared[key] = _Shared(support, 1.0, None, coded, own_codes[i], named, k, slots)
         self.last_timing["prepare_s"] = time.perf_counter() - t0
         return Prepared(first + second, shared, collective="allgather")
@@ -1105,7 +1103,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         v = x[idx]
         local = torch.zeros_like(x)
         k = idx.numel()
-        if self.rank == 0 and self._refitting(step) and key in self._levels:
+        if self._keeps_refit_sample(key, step):
             self._keep_for_refit(key, step, v, k > keep_count(self.options.ratio, x.numel()))
         if not coded:  # stage 2, a layer the code does not carry, or one the guard sent exactly
             sent = self._exact(v, step)
@@ -1168,9 +1166,9 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         v = x[idx]
         local = torch.zeros_like(x)
         ctx = _LayerContext(idx, 1.0, None, step, key, coded, named, k, prepared.slots)
-        if self.rank == 0 and self._refitting(step) and key in self._levels:
+        if self._keeps_refit_sample(key, step):
             denser = k > keep_count(self.options.ratio, x.numel())
-            own, rest = prepared.slots[0][self.rank], prepared.slots[1][self.rank]
+            own, rest = (slots[self.rank] for slots in prepared.slots)
             self._keep_for_refit(key, step, v.index_select(0, own), denser, levels.LEADER)
             if rest.numel():
                 self._keep_for_refit(key, step, v.index_select(0, rest), denser, levels.OTHERS)
@@ -1179,7 +1177,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             local[idx] = sent.to(local.dtype)
             return EncodeResult([sent], local=local, ctx=ctx)
         message, rec = own_code
-        own, rest = prepared.slots[0][self.rank], prepared.slots[1][self.rank]
+        own, rest = (slots[self.rank] for slots in prepared.slots)
         decoded = torch.empty_like(v).index_copy_(0, own, rec)
         if rest.numel():  # else every rank named the same positions: nothing else to send
             other_message, other_rec = levels.encode(

@@ -138,6 +138,11 @@ class LearnedCode:
             and step >= self.ae_start_step
         )
 
+    def _keeps_refit_sample(self, key: str, step: int) -> bool:
+        """Whether this rank keeps ``key``'s message of ``step`` for the next fit (rank 0, every
+        layer with levels, carried or not)."""
+        return self.rank == 0 and self._refitting(step) and key in self._levels
+
     def _keep_for_refit(self, key: str, step: int, v: Tensor, denser: bool, role: int | None = None) -> None:
         """Rank 0: keep a seeded subsample of ``|v| / RMS(v)`` of its own message (the RMS of the
         whole message, as it travels), with its role (``None``: its role at ``step`` on the
