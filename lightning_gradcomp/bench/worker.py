@@ -233,25 +233,24 @@ def run_codec(name: str, options: dict[str, Any], args: argparse.Namespace, link
                 return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=1e-4)
             return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
+    # beside AdamW a codec goes by name: the strategy then gives it its defaults beside an
+    # Adam-like optimizer (a codec object is kept as it is); the floor has no name to go by
+    floor = name.split("@", 1)[0] == FLOOR
+    by_name = args.optimizer == "adamw" and not floor
     try:
-        codec = make_bench_codec(name, options)
+        strategy = CompressedDDPStrategy(
+            codec=name.split("@", 1)[0] if by_name else make_bench_codec(name, options),
+            codec_options=options if by_name else None,
+            process_group_backend="gloo",
+            init_sync=False,
+            # the floor sends nothing: there is nothing for the fallback to weigh, and its probe
+            # steps would send plainly inside the floor's measurement
+            fallback=False if floor else None,
+            # steady-state step times: no level controller (auto would otherwise start in its light arms)
+            adaptive_level=False,
+        )
     except (ValueError, TypeError) as err:  # raised alike on every rank: report it and go on
         return {"codec": name, "options": options, "error": str(err), "steps": [], "measured_steps": 0}
-    # the floor sends nothing: there is nothing for the fallback to weigh, and its probe steps
-    # would send plainly inside the floor's measurement
-    fallback = False if isinstance(codec, NoCommCodec) else None
-    # beside AdamW by name: the strategy then gives the codec its defaults beside an Adam-like
-    # optimizer (a codec object is kept as it is)
-    by_name = args.optimizer == "adamw" and not isinstance(codec, NoCommCodec)
-    # steady-state step times: no level controller (auto would otherwise start in its light arms)
-    strategy = CompressedDDPStrategy(
-        codec=name.split("@", 1)[0] if by_name else codec,
-        codec_options=options if by_name else None,
-        process_group_backend="gloo",
-        init_sync=False,
-        fallback=fallback,
-        adaptive_level=False,
-    )
     codec = strategy.codec
     if args.level is not None and isinstance(codec, AdjustableCompression):
         codec.set_level(args.level)  # held there: no controller
