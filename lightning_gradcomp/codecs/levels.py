@@ -38,13 +38,18 @@ __all__ = [
     "OTHERS",
     "aggregate_errors",
     "decode",
+    "channel_rms",
+    "decode_by_channel",
     "dequantize",
     "encode",
+    "encode_by_channel",
     "fit_layers",
     "fit_levels",
     "fit_roles",
     "message_nbytes",
     "nearest",
+    "normalize_by_channel",
+    "normalize_sample",
     "quantize",
     "refit_rows",
     "relative_magnitudes",
@@ -188,6 +193,56 @@ def decode(message: list[Tensor], levels: Tensor, n: int) -> Tensor:
 def message_nbytes(n: int, bits: int) -> int:
     """Bytes of a message of ``n`` values: 4 for the RMS and the packed codes."""
     return 4 + codes_nbytes(n, bits)
+
+
+def channel_rms(values: Tensor, channels: Tensor, count: int) -> Tensor:
+    """The RMS of the ``values`` in each of ``count`` channels (``channels``: each value's channel),
+    rounded to bfloat16 as it travels, at least ``1e-30`` (an empty or all-zero channel divides
+    nothing by it)."""
+    sums = torch.zeros(count, dtype=torch.float32, device=values.device)
+    sums.index_add_(0, channels, values.float().square())
+    sizes = torch.bincount(channels, minlength=count).clamp_min(1).to(torch.float32)
+    return (sums / sizes).sqrt_().clamp_min_(1e-30).to(torch.bfloat16)
+
+
+def normalize_by_channel(values: Tensor, channels: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """``(values / s[channel], s)``: the values in units of their channel's RMS ``s``
+    (:func:`channel_rms`, as it travels)."""
+    scales = channel_rms(values, channels, count)
+    return values / scales.float().index_select(0, channels), scales
+
+
+def encode_by_channel(values: Tensor, levels: Tensor, channels: Tensor, count: int) -> tuple[list[Tensor], Tensor]:
+    """:func:`encode` of the values in units of their channel's RMS: the message is
+    ``[the channels' RMS (bfloat16), r, packed codes]`` and a value decodes to
+    ``sign(v) * s_channel * r * c_j``. Where a layer's channels differ in scale (a convolution's
+    output channels do), one scale a message leaves the small channels' values on the lowest
+    level and the large ones' beyond the highest; a scale a channel takes that spread out, for 2
+    bytes a channel."""
+    units, scales = normalize_by_channel(values, channels, count)
+    message, decoded = encode(units, levels)
+    return [scales, *message], decoded * scales.float().index_select(0, channels)
+
+
+def decode_by_channel(message: list[Tensor], levels: Tensor, channels: Tensor) -> Tensor:
+    """The values of a message of :func:`encode_by_channel` (``channels``: each value's channel)."""
+    scales, *rest = message
+    return decode(rest, levels, channels.numel()) * scales.float().index_select(0, channels)
+
+
+def normalize_sample(values: Tensor, named: Tensor, channels: Tensor, count: int) -> Tensor:
+    """A union support's stage-2 sample (``(N, K)`` values, ``named`` who named what, ``channels``
+    each position's channel) as its messages of :func:`encode_by_channel` see it: each rank's values
+    at the positions it named, and at the rest, in units of their channel's RMS within that
+    message."""
+    out = torch.empty_like(values, dtype=torch.float32)
+    for r in range(values.shape[0]):
+        mine = named[r].to(values.device)
+        for part in (mine, ~mine):
+            columns = part.nonzero().reshape(-1)
+            if columns.numel():
+                out[r, columns] = normalize_by_channel(values[r, columns].float(), channels[columns], count)[0]
+    return out
 
 
 def fit_layers(

@@ -135,6 +135,7 @@ CODES = ("levels", "autoencoder")
 VARIANTS = ("rar", "ps")
 SELECTIONS = ("sampled", "exact")
 SUPPORTS = ("leader", "union")
+LIGHT_SCALES = ("message", "channel")
 POSITION_CODES = ("kernel", "rice", "channel", "layer")
 WARMUP_CODECS = ("allreduce", "powersgd", "terngrad")
 #: the paper's stage lengths (SOFF: 200 dense rounds, 300 collecting), the caps of fractions
@@ -152,6 +153,7 @@ class _Shared(NamedTuple):
     named: Tensor | None = None  # a union support: (N, K) mask, True where that rank named the position
     size: int = 0  # a union support: the support's configured size k (it picks the levels' table)
     slots: tuple[list[Tensor], list[Tensor]] | None = None  # a union support in stage 3: union_slots
+    per: int = 0  # entries a channel where the messages scale by channel (light_scale); 0: by message
 
 
 class _Ternary:
@@ -176,6 +178,7 @@ class _LayerContext(NamedTuple):
     named: Tensor | None = None
     size: int = 0
     slots: tuple[list[Tensor], list[Tensor]] | None = None
+    per: int = 0
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,7 @@ class LGCOptions(CodecOptions):
     position_code: str = "kernel"
     light_ratio: float | None = None
     light_code_bits: int | None = None
+    light_scale: str = "message"
     density_warmup: int | float = 0
     density_warmup_start: float = 0.25
     innovation_ratio: float = 1e-5
@@ -223,6 +227,12 @@ class LGCOptions(CodecOptions):
         check_choice("variant", self.variant, VARIANTS)
         check_choice("support", self.support, SUPPORTS)
         check_choice("position_code", self.position_code, POSITION_CODES)
+        check_choice("light_scale", self.light_scale, LIGHT_SCALES)
+        if self.light_scale == "channel" and self.support != "union":
+            raise ValueError(
+                "light_scale='channel' scales the messages of a union support: use it with support='union', "
+                f"got support={self.support!r}"
+            )
         if self.support == "union" and self.code != "levels":
             raise ValueError(
                 "support='union' is a support for code='levels': the autoencoder's variants decode "
@@ -361,6 +371,14 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             ended 0.31 mIoU lower (standard error 0.27): the layers the guard had sent exactly
             were worth their bytes, so it is not a default (docs/codecs/lgc.md, "Beside Adam:
             three bits at the light steps").
+        light_scale: on a union support, what a message's values on a support denser than ``ratio``
+            (the light steps) are measured in before their levels code them: ``"message"``
+            (default) one RMS a message; ``"channel"`` the RMS of each output channel's values in
+            the message (2 bytes a channel, bfloat16), and the denser support's levels are fitted
+            to the values in those units at the switch and at each refit. A convolution's output
+            channels differ in scale, and at 50 % of a layer one scale a message is what leaves
+            some layers' 2-bit code above the guard (docs/codecs/lgc.md, "Beside Adam: a scale a
+            channel at the light steps").
         innovation_ratio: ``"ps"`` only: fraction of each layer's entries sent as innovation
             (SOFF's rho_i: 1e-5); must be below ``ratio``.
         latent_channels: AE code channels; the code is ``latent_channels / 16`` of the kept values
@@ -782,16 +800,20 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             self._gap_layout(p, n, m, kernels) if gapped else None
             for (_, _, p), n, m in zip(layers, numels, named_sizes)
         ]
+        # entries a channel of the layers whose messages take a scale a channel (0: one a message)
+        pers = [self._channel_size(p, k, n) for (_, _, p), k, n in zip(layers, sizes, numels)]
         n_flags = sum(use_code)
         mine: list[Tensor] = []
         own_codes: list[Any] = [None] * len(layers)
         flags = []
-        for i, ((key, x, _), k, m, a, n) in enumerate(zip(layers, sizes, named_sizes, use_code, numels)):
+        for i, ((key, x, _), k, m, a, n, per) in enumerate(zip(layers, sizes, named_sizes, use_code, numels, pers)):
             idx = self._select(x, m, step)
             mine.append(idx)
             if a:
-                v = x[idx]
-                own_codes[i] = levels.encode(v, self._levels_for(key, k, n, levels.LEADER))
+                v, table = x[idx], self._levels_for(key, k, n, levels.LEADER)
+                own_codes[i] = (
+                    levels.encode_by_channel(v, table, idx // per, n // per) if per else levels.encode(v, table)
+                )
                 flags.append(self._within_gate(v, own_codes[i][1]))
         # the first message a rank: its guard flags (fp32), then its channel counts, or (no
         # channel code) the positions it names, per layer
@@ -835,12 +857,13 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 off_f += 1
             u, sent = support.numel(), 0
             if coded:
-                bits = levels.table_bits(self._levels_for(key, k, n))
+                bits, per = levels.table_bits(self._levels_for(key, k, n)), pers[i]
                 sent = levels.message_nbytes(m, bits) + (levels.message_nbytes(u - m, bits) if u > m else 0)
+                sent += (1 + (u > m)) * 2 * (n // per) if per else 0  # the channels' scales, bfloat16
             self._count_layer(step, stage, k, n, u, a, coded, sent)
             # where each rank's names sit in the support: read by the code and by the refit samples
             slots = union_slots(names[i], n, support, named) if a or self._keeps_refit_sample(key, step) else None
-            shared[key] = _Shared(support, 1.0, None, coded, own_codes[i], named, k, slots)
+            shared[key] = _Shared(support, 1.0, None, coded, own_codes[i], named, k, slots, pers[i])
         self.last_timing["prepare_s"] = time.perf_counter() - t0
         return Prepared(first + second, shared, collective="allgather")
 
@@ -1070,6 +1093,14 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             return 4 * self.ae.latent_channels * GradientAutoencoder.latent_len(k)
         return 8 * self.innovation_k(numel)
 
+    def _channel_size(self, param: Tensor, k: int, numel: int) -> int:
+        """Entries a channel of a layer whose messages on a support of ``k`` values scale by channel
+        (``light_scale="channel"``, a support denser than ``ratio``): a weight's output channels,
+        a vector or a one-channel weight one channel; 0 where they scale by message."""
+        if self.options.light_scale != "channel" or k <= keep_count(self.options.ratio, numel):
+            return 0
+        return numel // param.shape[0] if param.dim() >= 2 and param.shape[0] > 1 else numel
+
     def _within_gate(self, v: Tensor, rec: Tensor) -> Tensor:
         """The run-time guard, on the leader: 1.0 when its own values ``v`` came back through the AE
         as ``rec`` with a relative error of at most ``max_recon_error``, else 0.0 (exact values this
@@ -1162,16 +1193,20 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         levels, its values at the others' positions on the others' levels (two messages); exact
         values where the code does not carry the layer."""
         idx, coded, own_code = prepared.support, prepared.coded, prepared.own_code
-        named, k = prepared.named, prepared.size
+        named, k, per = prepared.named, prepared.size, prepared.per
         v = x[idx]
         local = torch.zeros_like(x)
-        ctx = _LayerContext(idx, 1.0, None, step, key, coded, named, k, prepared.slots)
+        ctx = _LayerContext(idx, 1.0, None, step, key, coded, named, k, prepared.slots, per)
         if self._keeps_refit_sample(key, step):
             denser = k > keep_count(self.options.ratio, x.numel())
             own, rest = (slots[self.rank] for slots in prepared.slots)
-            self._keep_for_refit(key, step, v.index_select(0, own), denser, levels.LEADER)
-            if rest.numel():
-                self._keep_for_refit(key, step, v.index_select(0, rest), denser, levels.OTHERS)
+            for part, role in ((own, levels.LEADER), (rest, levels.OTHERS)):
+                if part.numel():  # the values as their message scales them
+                    sample = v.index_select(0, part)
+                    if per:
+                        channels = idx.index_select(0, part) // per
+                        sample = levels.normalize_by_channel(sample, channels, x.numel() // per)[0]
+                    self._keep_for_refit(key, step, sample, denser, role)
         if not coded:
             sent = self._exact(v, step)
             local[idx] = sent.to(local.dtype)
@@ -1180,8 +1215,11 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         own, rest = (slots[self.rank] for slots in prepared.slots)
         decoded = torch.empty_like(v).index_copy_(0, own, rec)
         if rest.numel():  # else every rank named the same positions: nothing else to send
-            other_message, other_rec = levels.encode(
-                v.index_select(0, rest), self._levels_for(key, k, x.numel(), levels.OTHERS)
+            values, table = v.index_select(0, rest), self._levels_for(key, k, x.numel(), levels.OTHERS)
+            other_message, other_rec = (
+                levels.encode_by_channel(values, table, idx.index_select(0, rest) // per, x.numel() // per)
+                if per
+                else levels.encode(values, table)
             )
             decoded.index_copy_(0, rest, other_rec)
             message = message + other_message
@@ -1191,15 +1229,22 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
     def _aggregate_union(self, payloads: Sequence[list[Tensor]], ctx: _LayerContext, numel: int) -> Tensor:
         """The sum of every rank's decoded values on a union support where the code carries the
         layer (:meth:`_encode_union`)."""
-        idx, (owns, rests) = ctx.support, ctx.slots
+        idx, (owns, rests), per = ctx.support, ctx.slots, ctx.per
         out = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
         table = self._levels_for(ctx.key, ctx.size, numel)
         total = torch.zeros(idx.numel(), dtype=torch.float32, device=out.device)
+        width = 3 if per else 2  # tensors a message: [channels' scales,] r, codes
+
+        def decoded_part(message: list[Tensor], row: Tensor, part: Tensor) -> Tensor:
+            if per:
+                return levels.decode_by_channel(message, row, idx.index_select(0, part) // per)
+            return levels.decode(message, row, part.numel())
+
         for p, own, rest in zip(payloads, owns, rests):
             decoded = torch.empty_like(total)
-            decoded.index_copy_(0, own, levels.decode(p[0:2], table[levels.LEADER], own.numel()))
+            decoded.index_copy_(0, own, decoded_part(p[0:width], table[levels.LEADER], own))
             if rest.numel():
-                decoded.index_copy_(0, rest, levels.decode(p[2:4], table[levels.OTHERS], rest.numel()))
+                decoded.index_copy_(0, rest, decoded_part(p[width : 2 * width], table[levels.OTHERS], rest))
             total += decoded
         out[idx] = total
         return out
@@ -1228,8 +1273,9 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             out[idx] = values.sum(0)
             if ctx.named is None:
                 self._keep_sample(key, step, step % len(payloads), numel, k, values)
-            else:  # a union support: who named what, and its configured size
-                self._keep_sample(key, step, ctx.named, numel, ctx.size, values)
+            else:  # a union support: who named what, its configured size, how it falls in channels
+                counts = torch.bincount(ctx.support // ctx.per, minlength=numel // ctx.per) if ctx.per else None
+                self._keep_sample(key, step, ctx.named, numel, ctx.size, values, counts)
             return out
         if ctx.named is not None:
             return self._aggregate_union(payloads, ctx, numel)
@@ -1246,15 +1292,28 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         out[idx] = s * vhat.sum(0)
         return out
 
-    def _keep_sample(self, key: str, step: int, lead: int | Tensor, numel: int, k: int, values: Tensor) -> None:
+    def _keep_sample(
+        self,
+        key: str,
+        step: int,
+        lead: int | Tensor,
+        numel: int,
+        k: int,
+        values: Tensor,
+        channel_counts: Tensor | None = None,
+    ) -> None:
         """Stage 2: keep every rank's exact values of a layer (``(N, K)``), with the leader's rank
-        (or, on a union support, who named which position), as the learned code's training data."""
+        (or, on a union support, who named which position), as the learned code's training data;
+        with ``light_scale="channel"`` at a denser support, how many of the (sorted) positions
+        fall in each channel."""
         first_kept = max(self.ae_start_step - self.options.ae_samples, self.density_warmup_end)
         if self.stage(step) == 2 and k >= MIN_AE_LEN and step >= first_kept:
             with self._samples_lock:
                 # kept on the values' device: a copy to the host here would wait for the GPU
                 # once per layer; they move to the CPU only when checkpointed
                 self._samples.append((key, step, lead, numel, values.detach().clone()))
+                if channel_counts is not None:
+                    self._sample_channels[(key, step)] = channel_counts
 
     # ----------------------------------------------------------------------------------------------
     # training at the switch: rank 0 trains, everyone receives the weights

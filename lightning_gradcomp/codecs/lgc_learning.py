@@ -58,6 +58,10 @@ class LearnedCode:
         self._levels_denser: dict[str, Tensor] = {}  # the same, for a support denser than ``ratio``
         # key, step, leader (a union support: who named what, (N, K)), numel, (N, K) values
         self._samples: list[tuple[str, int, int | Tensor, int, Tensor]] = []
+        # (key, step) -> how the sample's sorted positions fall in the layer's channels (counts a
+        # channel): a denser union sample with light_scale="channel", whose levels fit its values
+        # in units of their channel's RMS
+        self._sample_channels: dict[tuple[str, int], Tensor] = {}
         self._samples_lock = threading.Lock()
         # "levels" in stage 3, rank 0 only: its own messages since the last fit, as
         # (key, step, role, denser, relative magnitudes, at most REFIT_VALUES of them)
@@ -257,6 +261,7 @@ class LearnedCode:
         self._ae_layers = {k: float(e) for k, e in zip(keys, values[2:]) if e <= self.options.max_recon_error}
         with self._samples_lock:
             self._samples.clear()  # stage 3 never needs them again
+            self._sample_channels.clear()
         self._ae_state = {
             "trained": True,
             "loss": float(values[0]),
@@ -331,11 +336,27 @@ class LearnedCode:
             return float("nan"), {}
         train, val = self._split_samples(configured)
         loss, per_layer = levels.fit_layers(train, val, keys, fitted, self.options.seed)
+        if self.options.light_scale == "channel":  # as their messages will scale them
+            denser = [self._by_channel(smp) for smp in denser]
+            denser = [smp for smp in denser if smp is not None]
         if len({s[1] for s in denser}) >= 2:
             d_train, d_val = self._split_samples(denser)
             levels.fit_layers(d_train, d_val, keys, fitted_denser[:-1], self.options.seed)
             fitted_denser[-1] = 1.0
         return loss, per_layer
+
+    def _by_channel(self, sample: tuple) -> tuple | None:
+        """A denser union sample with its values in units of their channel's RMS within each
+        message (:func:`levels.normalize_sample`); None where its channels are unknown (a sample
+        from a checkpoint written without them), which the fit then leaves out."""
+        key, step, lead, numel, values = sample
+        with self._samples_lock:
+            counts = self._sample_channels.get((key, step))
+        if counts is None or not isinstance(lead, Tensor):
+            return None
+        counts = counts.to(values.device)
+        channels = torch.repeat_interleave(torch.arange(counts.numel(), device=values.device), counts)
+        return key, step, lead, numel, levels.normalize_sample(values, lead, channels, counts.numel())
 
     def _fit(self) -> tuple[float, dict[str, tuple[float, float]]]:
         with self._samples_lock:
@@ -376,6 +397,10 @@ class LearnedCode:
                 {"key": k, "step": s, "leader": _to_cpu(lead), "numel": n, "values": v.detach().cpu().clone()}
                 for k, s, lead, n, v in self._samples
             ]
+            for d in samples:
+                counts = self._sample_channels.get((d["key"], d["step"]))
+                if counts is not None:
+                    d["channel_counts"] = counts.detach().cpu().clone()
         return {
             "ae": {k: v.detach().cpu().clone() for k, v in self.ae.state_dict().items()},
             "ae_trained": self.ae_trained,
@@ -423,6 +448,10 @@ class LearnedCode:
             self._samples = [
                 (d["key"], int(d["step"]), _leader(d["leader"]), int(d["numel"]), d["values"]) for d in state["samples"]
             ]
+            # absent before light_scale, and for samples that scale by message
+            self._sample_channels = {
+                (d["key"], int(d["step"])): d["channel_counts"] for d in state["samples"] if "channel_counts" in d
+            }
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
