@@ -230,14 +230,14 @@ def decode_by_channel(message: list[Tensor], levels: Tensor, channels: Tensor) -
     return decode(rest, levels, channels.numel()) * scales.float().index_select(0, channels)
 
 
-def normalize_sample(values: Tensor, named: Tensor, channels: Tensor, count: int) -> Tensor:
-    """A union support's stage-2 sample (``(N, K)`` values, ``named`` who named what, ``channels``
-    each position's channel) as its messages of :func:`encode_by_channel` see it: each rank's values
-    at the positions it named, and at the rest, in units of their channel's RMS within that
-    message."""
+def normalize_sample(values: Tensor, named: Tensor | None, channels: Tensor, count: int) -> Tensor:
+    """A stage-2 sample (``(N, K)`` values, ``channels`` each position's channel) as its messages of
+    :func:`encode_by_channel` see it, in units of their channel's RMS within each message: each
+    rank's row (the leader's support, ``named`` None) or, on a union support (``named`` who named
+    what), each rank's values at the positions it named and at the rest."""
     out = torch.empty_like(values, dtype=torch.float32)
     for r in range(values.shape[0]):
-        mine = named[r].to(values.device)
+        mine = named[r].to(values.device) if named is not None else torch.ones_like(channels, dtype=torch.bool)
         for part in (mine, ~mine):
             columns = part.nonzero().reshape(-1)
             if columns.numel():

@@ -228,10 +228,10 @@ class LGCOptions(CodecOptions):
         check_choice("support", self.support, SUPPORTS)
         check_choice("position_code", self.position_code, POSITION_CODES)
         check_choice("light_scale", self.light_scale, LIGHT_SCALES)
-        if self.light_scale == "channel" and self.support != "union":
+        if self.light_scale == "channel" and self.code != "levels":
             raise ValueError(
-                "light_scale='channel' scales the messages of a union support: use it with support='union', "
-                f"got support={self.support!r}"
+                "light_scale='channel' scales the messages of code='levels': the autoencoder takes one scale "
+                f"a layer, got code={self.code!r}"
             )
         if self.support == "union" and self.code != "levels":
             raise ValueError(
@@ -371,7 +371,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             ended 0.31 mIoU lower (standard error 0.27): the layers the guard had sent exactly
             were worth their bytes, so it is not a default (docs/codecs/lgc.md, "Beside Adam:
             three bits at the light steps").
-        light_scale: on a union support, what a message's values on a support denser than ``ratio``
+        light_scale: ``"levels"``: what a message's values on a support denser than ``ratio``
             (the light steps) are measured in before their levels code them: ``"message"``
             (default) one RMS a message; ``"channel"`` the RMS of each output channel's values in
             the message (2 bytes a channel, bfloat16), and the denser support's levels are fitted
@@ -690,6 +690,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             self.ae.latent_channels * GradientAutoencoder.latent_len(k) if a and ps else 0
             for k, a in zip(sizes, use_ae)
         ]
+        pers = [self._channel_size(p, k, n) for (_, _, p), k, n in zip(layers, sizes, numels)]
         n_flags = sum(use_ae)
         n_scales = n_flags if ae else 0
         n_lat = sum(lat)
@@ -709,8 +710,10 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 parts.append(encode_positions(idx, n, e))
                 if a and not ae:
                     # the run-time guard: the leader's own values through the code, this step
-                    v = x[idx]
-                    own_codes[i] = levels.encode(v, self._levels_for(key, k, n, levels.LEADER))
+                    v, table, per = x[idx], self._levels_for(key, k, n, levels.LEADER), pers[i]
+                    own_codes[i] = (
+                        levels.encode_by_channel(v, table, idx // per, n // per) if per else levels.encode(v, table)
+                    )
                     flags.append(self._within_gate(v, own_codes[i][1]))
                 elif a:
                     v = x[idx]
@@ -758,8 +761,9 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 if ps:
                     z = latents[off_z : off_z + nl].view(1, self.ae.latent_channels, -1) if coded else None
                     off_z += nl
-            self._count_layer(step, stage, k, n, k, a, coded, self._code_nbytes(key, k, n) if coded else 0)
-            shared[key] = _Shared(idx, s, z, coded, own_codes[i])
+            code_nbytes = self._code_nbytes(key, k, n, pers[i]) if coded else 0
+            self._count_layer(step, stage, k, n, k, a, coded, code_nbytes)
+            shared[key] = _Shared(idx, s, z, coded, own_codes[i], per=pers[i])
         self.last_timing["prepare_s"] = time.perf_counter() - t0
         return Prepared(nbytes, shared)
 
@@ -1085,10 +1089,12 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             tally[0] += values if coded else 0
             tally[1] += values
 
-    def _code_nbytes(self, key: str, k: int, numel: int) -> int:
-        """Bytes a rank sends for a layer of ``k`` support values that the learned code carries."""
+    def _code_nbytes(self, key: str, k: int, numel: int, per: int = 0) -> int:
+        """Bytes a rank sends for a layer of ``k`` support values that the learned code carries
+        (``per``: entries a channel where its message scales by channel)."""
         if not self.uses_autoencoder:
-            return levels.message_nbytes(k, levels.table_bits(self._levels_for(key, k, numel)))
+            scales = 2 * (numel // per) if per else 0
+            return scales + levels.message_nbytes(k, levels.table_bits(self._levels_for(key, k, numel)))
         if self.options.variant == "rar":
             return 4 * self.ae.latent_channels * GradientAutoencoder.latent_len(k)
         return 8 * self.innovation_k(numel)
@@ -1131,23 +1137,27 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         if prepared.named is not None:
             return self._encode_union(x, key, step, prepared)
         idx, s, z_lead, coded, own_code = prepared[:5]
+        per = prepared.per
         v = x[idx]
         local = torch.zeros_like(x)
         k = idx.numel()
-        if self._keeps_refit_sample(key, step):
-            self._keep_for_refit(key, step, v, k > keep_count(self.options.ratio, x.numel()))
+        if self._keeps_refit_sample(key, step):  # the values as the message scales them
+            sample = levels.normalize_by_channel(v, idx // per, x.numel() // per)[0] if per else v
+            self._keep_for_refit(key, step, sample, k > keep_count(self.options.ratio, x.numel()))
         if not coded:  # stage 2, a layer the code does not carry, or one the guard sent exactly
             sent = self._exact(v, step)
             local[idx] = sent.to(local.dtype)
-            return EncodeResult([sent], local=local, ctx=_LayerContext(idx, s, None, step, key, False))
-        ctx = _LayerContext(idx, s, z_lead, step, key, True)
+            return EncodeResult([sent], local=local, ctx=_LayerContext(idx, s, None, step, key, False, per=per))
+        ctx = _LayerContext(idx, s, z_lead, step, key, True, per=per)
         if not self.uses_autoencoder:
             # the levels: what this rank's message decodes to is exactly its share of the sum
-            message, rec = (
-                own_code
-                if own_code is not None
-                else levels.encode(v, self._levels_for(key, k, x.numel(), self._role(step)))
-            )
+            if own_code is not None:
+                message, rec = own_code
+            else:
+                table = self._levels_for(key, k, x.numel(), self._role(step))
+                message, rec = (
+                    levels.encode_by_channel(v, table, idx // per, x.numel() // per) if per else levels.encode(v, table)
+                )
             local[idx] = rec
             return EncodeResult(message, local=local, ctx=ctx)
         with torch.no_grad():
@@ -1271,17 +1281,23 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         if not coded:  # stage 2, a layer too short for the code, or one the guard sent exactly
             values = torch.stack([p[0].float() for p in payloads])
             out[idx] = values.sum(0)
+            # how the support falls in channels, where its messages will scale by channel
+            counts = torch.bincount(idx // ctx.per, minlength=numel // ctx.per) if ctx.per else None
             if ctx.named is None:
-                self._keep_sample(key, step, step % len(payloads), numel, k, values)
-            else:  # a union support: who named what, its configured size, how it falls in channels
-                counts = torch.bincount(ctx.support // ctx.per, minlength=numel // ctx.per) if ctx.per else None
+                self._keep_sample(key, step, step % len(payloads), numel, k, values, counts)
+            else:  # a union support: who named what, and its configured size
                 self._keep_sample(key, step, ctx.named, numel, ctx.size, values, counts)
             return out
         if ctx.named is not None:
             return self._aggregate_union(payloads, ctx, numel)
         if not self.uses_autoencoder:  # every rank's levels message, decoded and summed
             table, leader = self._levels_for(key, k, numel), step % len(payloads)
-            decoded = [levels.decode(p, table[levels.role(r, leader)], k) for r, p in enumerate(payloads)]
+            decoded = [
+                levels.decode_by_channel(p, table[levels.role(r, leader)], idx // ctx.per)
+                if ctx.per
+                else levels.decode(p, table[levels.role(r, leader)], k)
+                for r, p in enumerate(payloads)
+            ]
             out[idx] = torch.stack(decoded).sum(0)
             return out
         u = torch.zeros(len(payloads), k, dtype=torch.float32, device=out.device)

@@ -346,17 +346,18 @@ class LearnedCode:
         return loss, per_layer
 
     def _by_channel(self, sample: tuple) -> tuple | None:
-        """A denser union sample with its values in units of their channel's RMS within each
+        """A denser sample with its values in units of their channel's RMS within each
         message (:func:`levels.normalize_sample`); None where its channels are unknown (a sample
         from a checkpoint written without them), which the fit then leaves out."""
         key, step, lead, numel, values = sample
         with self._samples_lock:
             counts = self._sample_channels.get((key, step))
-        if counts is None or not isinstance(lead, Tensor):
+        if counts is None:
             return None
         counts = counts.to(values.device)
         channels = torch.repeat_interleave(torch.arange(counts.numel(), device=values.device), counts)
-        return key, step, lead, numel, levels.normalize_sample(values, lead, channels, counts.numel())
+        named = lead if isinstance(lead, Tensor) else None
+        return key, step, lead, numel, levels.normalize_sample(values, named, channels, counts.numel())
 
     def _fit(self) -> tuple[float, dict[str, tuple[float, float]]]:
         with self._samples_lock:
