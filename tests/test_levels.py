@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_gloo
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_gradcomp.codecs import levels
 from lightning_gradcomp.codecs.bits import codes_nbytes
@@ -212,6 +212,8 @@ def test_checkpoint_whose_autoencoder_carried_layers_names_the_code_to_resume_wi
         (dict(code_denser="no"), "code_denser must be True or False"),
         (dict(support="all"), "support must be one of"),
         (dict(support="union", code="autoencoder"), "support='union' is a support for code='levels'"),
+        (dict(light_scale="row"), "light_scale must be one of"),
+        (dict(light_scale="channel", code="autoencoder"), "light_scale='channel' scales the messages of code='levels'"),
     ],
 )
 def test_invalid_code_options_name_the_option(opts, match):
@@ -483,6 +485,106 @@ def test_light_code_bits_send_the_denser_steps_in_three_bits_on_two_ranks():
         assert rows[-2]["wire"] == pytest.approx(_expected_stage3_wire(2))
         assert rows[-1]["wire"] == pytest.approx(_expected_stage3_wire(2, 0.25, 3))
         assert "2-bit levels (3-bit at the denser support) carried 3 of 3 layer(s)" in r["summary"]
+
+
+# --------------------------------------------------------------------------------------------------
+# light_scale="channel": the light steps' values in units of their output channel's RMS
+def _channel_mixture(g: torch.Generator, channels: int = 8, per: int = 400) -> tuple[Tensor, Tensor]:
+    """Values whose channels differ in scale by a factor of 1000, as a convolution's output
+    channels' gradients do, and each value's channel."""
+    scales = torch.logspace(-2, 1, channels)
+    values = torch.randn(channels, per, generator=g) * scales[:, None]
+    return values.reshape(-1), torch.arange(channels).repeat_interleave(per)
+
+
+def test_a_scale_a_channel_decodes_to_what_the_encoder_kept_and_cuts_the_error_of_a_scale_mixture():
+    g = torch.Generator().manual_seed(0)
+    v, channels = _channel_mixture(g)
+    v[channels == 3] = 0.0  # a silent channel: zeros, no NaN
+    units, scales = levels.normalize_by_channel(v, channels, 8)
+    assert scales.dtype == torch.bfloat16 and scales.shape == (8,) and torch.isfinite(units).all()
+    by_channel = levels.fit_levels(levels.relative_magnitudes(units), 2)
+    by_message = levels.fit_levels(levels.relative_magnitudes(v), 2)
+    message, decoded = levels.encode_by_channel(v, by_channel, channels, 8)
+    assert [t.dtype for t in message] == [torch.bfloat16, torch.float32, torch.uint8]
+    assert sum(t.numel() * t.element_size() for t in message) == 2 * 8 + levels.message_nbytes(v.numel(), 2)
+    # the decoder reads the same values, bit for bit: what error feedback keeps is what arrived
+    assert torch.equal(levels.decode_by_channel(message, by_channel, channels), decoded)
+    assert torch.equal(decoded[channels == 3], torch.zeros(400))
+    _, one_scale = levels.encode(v, by_message)
+    error = float((decoded - v).norm() / v.norm())
+    assert error < 0.8 * float((one_scale - v).norm() / v.norm())  # 0.36 against 0.49
+    # a stage-2 sample seen as its messages: on a union support each rank's named values and the
+    # rest scale apart; on the leader's support each rank's row is one message
+    named = torch.zeros(2, v.numel(), dtype=torch.bool)
+    named[0, ::2], named[1, 1::2] = True, True
+    sample = torch.stack([v, v.flip(0)])
+    union = levels.normalize_sample(sample, named, channels, 8)
+    cols = named[1].nonzero().reshape(-1)
+    assert torch.equal(union[1, cols], levels.normalize_by_channel(sample[1, cols], channels[cols], 8)[0])
+    leader = levels.normalize_sample(sample, None, channels, 8)
+    assert torch.equal(leader[0], units)
+
+
+def test_a_scale_a_channel_fits_the_denser_levels_in_its_units_and_a_checkpoint_keeps_the_channels():
+    """With ``light_scale="channel"`` the switch fits the denser support's levels to the samples in
+    units of their channel's RMS (each sample keeps how its positions fall in the channels); the
+    configured support's levels and gate are the same as without it."""
+    light_k = math.ceil(0.25 * 3200)
+
+    def collected(**opts):
+        c = LGCCodec(ratio=RATIO, **opts)
+        c.set_level(0.0)
+        assert c.k_for(3200) == light_k
+        gen = torch.Generator().manual_seed(1)
+        for step in range(16):
+            v, channels = _channel_mixture(gen, 8, light_k // 8)
+            c._samples.append(("w", step, step % 2, 3200, torch.stack([v, v * 0.5 + 0.1 * v.flip(0)])))
+            c._sample_channels[("w", step)] = torch.bincount(channels, minlength=8)
+        return c
+
+    plain, scaled = collected(), collected(light_scale="channel")
+    resumed = LGCCodec(ratio=RATIO, light_scale="channel")
+    resumed.load_state_dict(scaled.state_dict())
+    assert resumed._sample_channels.keys() == scaled._sample_channels.keys()
+    assert all(torch.equal(resumed._sample_channels[k], c) for k, c in scaled._sample_channels.items())
+    for c in (plain, scaled, resumed):
+        c.train_autoencoder()
+        assert c._sample_channels == {}  # kept no longer than the samples
+    assert torch.equal(plain._levels["w"], scaled._levels["w"]) and plain.ae_layers == scaled.ae_layers
+    assert not torch.equal(plain._levels_denser["w"], scaled._levels_denser["w"])
+    assert resumed.ae_digest() == scaled.ae_digest()
+    # the scaled levels are those of the samples in channel units
+    expected = torch.ones(1, 2, 2)
+    units = [
+        (key, step, lead, n, levels.normalize_sample(v, None, torch.arange(8).repeat_interleave(light_k // 8), 8))
+        for key, step, lead, n, v in collected()._samples
+    ]
+    levels.fit_roles(levels.split_held_out(units)[0], ["w"], expected, scaled.options.seed)
+    assert torch.equal(scaled._levels_denser["w"], expected[0])
+
+
+@pytest.mark.parametrize("support", ["leader", "union"])
+def test_a_scale_a_channel_sends_the_light_steps_with_two_bytes_a_channel_on_two_ranks(support):
+    """``light_scale="channel"`` beside the controller's case: every step before the last (light)
+    one trains bit for bit as with one scale a message; the light step sends each message with
+    two bytes a weight's output channel more, every rank identical and the error feedback exact."""
+    extra = {"support": support}
+    scaled = run_gloo(_train_levels, world_size=2, args=(True, 0, STAGE3, True, {**extra, "light_scale": "channel"}))
+    plain = run_gloo(_train_levels, world_size=2, args=(True, 0, STAGE3, True, extra))
+    channels = sum(p.shape[0] for p in _mlp().parameters() if p.numel() >= 1000)
+    messages = 2 if support == "union" else 1  # a union: the named values and the rest
+    for r, q in zip(scaled, plain):
+        rows = r["rows"]
+        assert all(row["identical"] for row in rows)
+        for row in rows[WARMUP + COLLECT :]:
+            assert row["used"] == (3, 3)
+            assert row["err_sq"] == pytest.approx(row["residual_sq"], rel=1e-6)
+        for a, b in zip(rows[:-1], q["rows"][:-1], strict=True):
+            assert torch.equal(a["grads"], b["grads"]) and a["wire"] == b["wire"]
+        assert rows[-1]["wire"] == q["rows"][-1]["wire"] + 2 * channels * messages
+        assert not torch.equal(rows[-1]["grads"], q["rows"][-1]["grads"])
+    assert scaled[0]["digest"] == scaled[1]["digest"] != plain[0]["digest"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -149,6 +149,7 @@ _OPTION_CHANGES = {
     ("lgc", "code_denser"): ("<absent>", True),  # the code also carries the controller's denser support
     ("lgc", "light_ratio"): ("<absent>", None),  # None: the light level's support as before (10 x ratio, <= 0.25)
     ("lgc", "light_code_bits"): ("<absent>", None),  # None: code_bits at the light steps too, as before
+    ("lgc", "light_scale"): ("<absent>", "message"),  # one scale a message at the light steps, as before
     ("lgc", "position_code"): ("<absent>", "kernel"),  # a union support's names per kernel and channel; lossless
     ("lgc", "ratio"): (0.01, 0.0075),  # a steady ratio of 300 on ResNet-18 (docs/codecs/lgc.md)
     ("lgc", "warmup_codec"): ("<absent>", "allreduce"),  # stage 1 dense unless PowerSGD or TernGrad is asked for
