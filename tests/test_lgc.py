@@ -489,6 +489,7 @@ def test_lgc_beside_adamw_runs_its_defaults_as_written_out(tmp_path):
         "max_recon_error": 0.35,
         "support": "union",
         "plain_dtype": "bfloat16",
+        "light_scale": "channel",
     }
     runs = [("defaults", {}, None), ("written", written_out, {"lr_reference": "peak"})]
     runs.append(("leader", {"support": "leader"}, None))  # the previous version's support, given

@@ -294,6 +294,14 @@ def test_a_resumed_run_takes_what_its_checkpoint_took_beside_adam_and_names_opti
     strategy = _set_up_beside("adamw", codec="lgc", resumed_from={"optimizer_defaults": recorded})
     assert strategy.codec.options.ratio == 0.14 and strategy.codec.harness.plain_dtype == "float32"
     assert _set_up_beside("adamw", codec="lgc").codec.harness.plain_dtype == "bfloat16"
+    # and one that took bfloat16 but not yet the scale a channel goes on with one scale a message
+    recorded["options"]["plain_dtype"] = "bfloat16"
+    strategy = _set_up_beside("adamw", codec="lgc", resumed_from={"optimizer_defaults": recorded})
+    assert strategy.codec.options.light_scale == "message" and strategy.codec.harness.plain_dtype == "bfloat16"
+    assert _set_up_beside("adamw", codec="lgc").codec.options.light_scale == "channel"
+    assert _set_up_beside("adamw", codec="lgc", codec_options={"code": "autoencoder"}).codec.options.light_scale == (
+        "message"
+    )
     # an earlier version's checkpoint records only its options: their values, the default rule
     saved = {"options": {**make_codec("lgc").config(), "ratio": 0.03}}
     strategy = _set_up_beside("adamw", codec="lgc", resumed_from=saved)

@@ -480,7 +480,7 @@ def test_lgc_beside_adamw_resumes_like_an_uninterrupted_run(resume_results) -> N
     # and what the run took there, which a resumed run takes again
     recorded = saved["gradcomp"]["optimizer_defaults"]
     taken = {"ratio": 0.14, "dense_layers": ["none"], "max_recon_error": 0.35, "support": "union", "light_ratio": 0.5}
-    taken["plain_dtype"] = "bfloat16"
+    taken.update(plain_dtype="bfloat16", light_scale="channel")
     assert recorded == {"options": taken, "controller": {"lr_reference": "peak"}}
     _assert_continues_exactly(full, resumed, "lgc")
 
