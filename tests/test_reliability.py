@@ -294,7 +294,7 @@ PREVIOUS_OPTIONS = {"lgc": {"dense_dtype": "float32", "ratio": 0.01}}
 PREVIOUS_ADAMW = HERE / "data" / "checkpoints_ee6e149" / "lgc_adamw.ckpt"
 # what that version ran with beside AdamW (a leader's support, which a support given keeps, and
 # the plain light level, ten times the support up to 25 %: None given keeps it, and what travels
-# exactly in fp32)
+# exactly in fp32, and one scale a message at the light steps)
 PREVIOUS_ADAMW_OPTIONS = {
     "ratio": 0.03,
     "dense_layers": "auto",
@@ -302,6 +302,7 @@ PREVIOUS_ADAMW_OPTIONS = {
     "support": "leader",
     "light_ratio": None,
     "plain_dtype": "float32",
+    "light_scale": "message",
 }
 
 
