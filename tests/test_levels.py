@@ -500,7 +500,7 @@ def _channel_mixture(g: torch.Generator, channels: int = 8, per: int = 400) -> t
 def test_a_scale_a_channel_decodes_to_what_the_encoder_kept_and_cuts_the_error_of_a_scale_mixture():
     g = torch.Generator().manual_seed(0)
     v, channels = _channel_mixture(g)
-    v[channels == 3] = 0.0  # a silent channel: zeros, no NaN
+    v[channels == 3] = 0.0  # a silent channel: no NaN
     units, scales = levels.normalize_by_channel(v, channels, 8)
     assert scales.dtype == torch.bfloat16 and scales.shape == (8,) and torch.isfinite(units).all()
     by_channel = levels.fit_levels(levels.relative_magnitudes(units), 2)
@@ -510,7 +510,7 @@ def test_a_scale_a_channel_decodes_to_what_the_encoder_kept_and_cuts_the_error_o
     assert sum(t.numel() * t.element_size() for t in message) == 2 * 8 + levels.message_nbytes(v.numel(), 2)
     # the decoder reads the same values, bit for bit: what error feedback keeps is what arrived
     assert torch.equal(levels.decode_by_channel(message, by_channel, channels), decoded)
-    assert torch.equal(decoded[channels == 3], torch.zeros(400))
+    assert decoded[channels == 3].abs().max() <= 1e-29  # its scale is 1e-30: a level times that
     _, one_scale = levels.encode(v, by_message)
     error = float((decoded - v).norm() / v.norm())
     assert error < 0.8 * float((one_scale - v).norm() / v.norm())  # 0.36 against 0.49

@@ -197,19 +197,19 @@ def message_nbytes(n: int, bits: int) -> int:
 
 def channel_rms(values: Tensor, channels: Tensor, count: int) -> Tensor:
     """The RMS of the ``values`` in each of ``count`` channels (``channels``: each value's channel),
-    rounded to bfloat16 as it travels (0 for an empty or all-zero channel, whose values then
-    decode to 0)."""
+    rounded to bfloat16 as it travels, at least ``1e-30`` (an empty or all-zero channel divides
+    nothing by it, and its values decode to at most 1e-30 times a level)."""
     sums = torch.zeros(count, dtype=torch.float32, device=values.device)
     sums.index_add_(0, channels, values.float().square())
     sizes = torch.bincount(channels, minlength=count).clamp_min(1).to(torch.float32)
-    return (sums / sizes).sqrt_().to(torch.bfloat16)
+    return (sums / sizes).sqrt_().clamp_min_(1e-30).to(torch.bfloat16)
 
 
 def normalize_by_channel(values: Tensor, channels: Tensor, count: int) -> tuple[Tensor, Tensor]:
     """``(values / s[channel], s)``: the values in units of their channel's RMS ``s``
     (:func:`channel_rms`, as it travels)."""
     scales = channel_rms(values, channels, count)
-    return values / scales.float().clamp_min(1e-30).index_select(0, channels), scales
+    return values / scales.float().index_select(0, channels), scales
 
 
 def encode_by_channel(values: Tensor, levels: Tensor, channels: Tensor, count: int) -> tuple[list[Tensor], Tensor]:
