@@ -219,9 +219,10 @@ def encode_by_channel(values: Tensor, levels: Tensor, channels: Tensor, count: i
     output channels do), one scale a message leaves the small channels' values on the lowest
     level and the large ones' beyond the highest; a scale a channel takes that spread out, for 2
     bytes a channel."""
-    units, scales = normalize_by_channel(values, channels, count)
-    message, decoded = encode(units, levels)
-    return [scales, *message], decoded * scales.float().index_select(0, channels)
+    scales = channel_rms(values, channels, count)
+    per_value = scales.float().index_select(0, channels)  # gathered once: to divide and to decode
+    message, decoded = encode(values / per_value, levels)
+    return [scales, *message], decoded * per_value
 
 
 def decode_by_channel(message: list[Tensor], levels: Tensor, channels: Tensor) -> Tensor:

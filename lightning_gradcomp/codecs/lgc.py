@@ -1288,12 +1288,10 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         if not coded:  # stage 2, a layer too short for the code, or one the guard sent exactly
             values = torch.stack([p[0].float() for p in payloads])
             out[idx] = values.sum(0)
-            # how the support falls in channels, where its messages will scale by channel
-            counts = torch.bincount(idx // ctx.per, minlength=numel // ctx.per) if ctx.per else None
             if ctx.named is None:
-                self._keep_sample(key, step, step % len(payloads), numel, k, values, counts)
+                self._keep_sample(key, step, step % len(payloads), numel, k, values, idx, ctx.per)
             else:  # a union support: who named what, and its configured size
-                self._keep_sample(key, step, ctx.named, numel, ctx.size, values, counts)
+                self._keep_sample(key, step, ctx.named, numel, ctx.size, values, idx, ctx.per)
             return out
         if ctx.named is not None:
             return self._aggregate_union(payloads, ctx, numel)
@@ -1323,20 +1321,21 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         numel: int,
         k: int,
         values: Tensor,
-        channel_counts: Tensor | None = None,
+        support: Tensor,
+        per: int = 0,
     ) -> None:
         """Stage 2: keep every rank's exact values of a layer (``(N, K)``), with the leader's rank
         (or, on a union support, who named which position), as the learned code's training data;
-        with ``light_scale="channel"`` at a denser support, how many of the (sorted) positions
-        fall in each channel."""
+        where its messages will scale by channel (``per`` entries a channel, ``light_scale="channel"``
+        at a denser support), how many of the (sorted) ``support`` positions fall in each channel."""
         first_kept = max(self.ae_start_step - self.options.ae_samples, self.density_warmup_end)
         if self.stage(step) == 2 and k >= MIN_AE_LEN and step >= first_kept:
             with self._samples_lock:
                 # kept on the values' device: a copy to the host here would wait for the GPU
                 # once per layer; they move to the CPU only when checkpointed
                 self._samples.append((key, step, lead, numel, values.detach().clone()))
-                if channel_counts is not None:
-                    self._sample_channels[(key, step)] = channel_counts
+                if per:  # counted only for a sample kept, not on every exact step of stage 3
+                    self._sample_channels[(key, step)] = torch.bincount(support // per, minlength=numel // per)
 
     # ----------------------------------------------------------------------------------------------
     # training at the switch: rank 0 trains, everyone receives the weights

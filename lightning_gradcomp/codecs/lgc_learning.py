@@ -59,8 +59,8 @@ class LearnedCode:
         # key, step, leader (a union support: who named what, (N, K)), numel, (N, K) values
         self._samples: list[tuple[str, int, int | Tensor, int, Tensor]] = []
         # (key, step) -> how the sample's sorted positions fall in the layer's channels (counts a
-        # channel): a denser union sample with light_scale="channel", whose levels fit its values
-        # in units of their channel's RMS
+        # channel): a denser sample with light_scale="channel" (either support), whose levels fit
+        # its values in units of their channel's RMS
         self._sample_channels: dict[tuple[str, int], Tensor] = {}
         self._samples_lock = threading.Lock()
         # "levels" in stage 3, rank 0 only: its own messages since the last fit, as
