@@ -114,6 +114,7 @@ from lightning_gradcomp.codecs.positions import (
     kernel_fields,
     kernel_index_bits,
     kernel_positions,
+    output_channels,
     quotients_of,
     rice_fields,
     rice_low_bits,
@@ -803,7 +804,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         gapped = self.options.position_code in ("rice", "kernel")
         by_channel = gapped or self.options.position_code == "channel"
         channels = [
-            (p.shape[0], n // p.shape[0]) if by_channel and p.dim() >= 2 and p.shape[0] > 1 and b > 0 else None
+            (c, n // c) if by_channel and (c := output_channels(p)) > 1 and b > 0 else None
             for (_, _, p), n, b in zip(layers, numels, code_bytes)
         ]
         kernels = self.options.position_code == "kernel"
@@ -971,10 +972,11 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         ``m`` (no header); ``None`` where every position is named (no code)."""
         if m >= n:
             return None
-        if param.dim() < 2 or param.shape[0] <= 1:
+        channels = output_channels(param)
+        if channels == 1:
             return 1, n, 1
         size = math.prod(param.shape[2:]) if param.dim() > 2 else 1
-        return param.shape[0], n // param.shape[0], size if kernels and 2 <= size <= MAX_KERNEL else 1
+        return channels, n // channels, size if kernels and 2 <= size <= MAX_KERNEL else 1
 
     @staticmethod
     def _gap_fields(idx: Tensor, layout: tuple[int, int, int], counts: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -1112,7 +1114,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         a vector or a one-channel weight one channel; 0 where they scale by message."""
         if self.options.light_scale != "channel" or k <= keep_count(self.options.ratio, numel):
             return 0
-        return numel // param.shape[0] if param.dim() >= 2 and param.shape[0] > 1 else numel
+        return numel // output_channels(param)
 
     def _within_gate(self, v: Tensor, rec: Tensor) -> Tensor:
         """The run-time guard, on the leader: 1.0 when its own values ``v`` came back through the AE

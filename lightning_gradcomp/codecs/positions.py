@@ -185,6 +185,13 @@ def counts_nbytes(channels: int, per: int) -> int:
     return -(-channels * _count_width(per) // 8)
 
 
+def output_channels(param: Tensor) -> int:
+    """The channels a layer's flattened gradient splits into: a weight's output channels (its
+    first dimension, each a contiguous run of ``numel // channels`` entries); a vector or a
+    weight with one output channel is one channel."""
+    return param.shape[0] if param.dim() >= 2 and param.shape[0] > 1 else 1
+
+
 def channel_counts(pos: Tensor, channels: int, per: int) -> Tensor:
     """How many of the positions ``pos`` fall in each of the ``channels`` rows (int64)."""
     return torch.bincount(pos // per, minlength=channels)
