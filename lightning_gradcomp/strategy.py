@@ -302,7 +302,7 @@ class CompressedDDPStrategy(DDPStrategy):
                 "the level controller (on here) compresses lightly in the critical phases; with it, a 14 % union "
                 "support and light steps at half of each layer (lgc's defaults beside Adam) lgc measured -1.3 over "
                 "eight seeds, PowerSGD -0.6, and with the light steps' values scaled per output channel (this "
-                "version's defaults) -0.4 over eight seeds on another machine"
+                "version's defaults) -0.4 and -1.1 over eight seeds on each of two machines"
                 if controlled
                 else "compressing lightly in the critical phases (adaptive_level=True) with a 14 % union support "
                 "(lgc's defaults beside Adam, where its controller is on) brought lgc to -1.3 over eight seeds, and "
