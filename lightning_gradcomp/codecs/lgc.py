@@ -1337,7 +1337,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 # once per layer; they move to the CPU only when checkpointed
                 self._samples.append((key, step, lead, numel, values.detach().clone()))
                 if per:  # counted only for a sample kept, not on every exact step of stage 3
-                    self._sample_channels[(key, step)] = torch.bincount(support // per, minlength=numel // per)
+                    self._sample_channels[(key, step)] = channel_counts(support, numel // per, per)
 
     # ----------------------------------------------------------------------------------------------
     # training at the switch: rank 0 trains, everyone receives the weights
