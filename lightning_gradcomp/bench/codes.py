@@ -229,7 +229,7 @@ def position_bits(supports: list[dict[str, Tensor]], shapes: dict[str, tuple[int
 
     ``uniform``, ``per_channel`` and ``vs_previous`` are enumerative bounds (an arithmetic code
     comes within a few bits of each)."""
-    from lightning_gradcomp.codecs.positions import encoded_nbytes
+    from lightning_gradcomp.codecs.positions import channel_counts, encoded_nbytes
 
     total = {"elias_fano": 0.0, "uniform": 0.0, "per_channel": 0.0, "vs_previous": 0.0, "per_channel_ef": 0.0}
     count = 0
@@ -242,7 +242,7 @@ def position_bits(supports: list[dict[str, Tensor]], shapes: dict[str, tuple[int
             total["elias_fano"] += 8 * encoded_nbytes("delta", k, n)
             total["uniform"] += _log2_binomial(n, k)
             channels, per = shape[0], n // shape[0]
-            counts = torch.bincount(pos // per, minlength=channels).tolist()
+            counts = channel_counts(pos, channels, per).tolist()
             count_bits = channels * math.log2(per + 1)
             total["per_channel"] += count_bits + sum(_log2_binomial(per, c) for c in counts)
             total["per_channel_ef"] += count_bits + sum(8 * encoded_nbytes("delta", c, per) for c in counts if c)
