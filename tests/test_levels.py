@@ -828,6 +828,31 @@ def test_a_union_support_carries_every_layer_identically_on_two_ranks_with_exact
         assert carried == total and 2 * (support // 2) <= total <= 2 * support  # two steps, union of halves
 
 
+def _train_union_where_rank_1_fails_the_guard(rank: int, world: int) -> dict:
+    """The union run above, with rank 1's own values failing the run-time guard on every layer (as
+    a code that no longer fits that rank's gradients would), rank 0's passing it."""
+    if rank == 1:  # this process only: the class is patched in rank 1's own interpreter
+        LGCCodec._within_gate = lambda self, v, rec: torch.zeros((), dtype=torch.float32)
+    return _train_levels(rank, world, True, 0, STAGE3, True, {"support": "union"})
+
+
+def test_one_ranks_failing_guard_sends_the_layer_exactly_on_every_rank():
+    """On a union support the code carries a layer only where every rank's guard passes: when one
+    rank's own values fail it, every rank sends that layer's exact values on the support, the
+    ranks stay identical, and what the support left out is in the residual, exactly."""
+    res = run_gloo(_train_union_where_rank_1_fails_the_guard, world_size=2, timeout=300)
+    for r in res:
+        rows = r["rows"]
+        assert [row["stage"] for row in rows] == [1] * WARMUP + [2] * COLLECT + [3] * STAGE3
+        for row in rows:
+            assert row["identical"]
+        for row in rows[WARMUP + COLLECT :]:
+            assert row["used"] == (0, 3)  # three eligible layers, none coded
+            assert row["err_sq"] == pytest.approx(row["residual_sq"], rel=1e-6)
+        carried, total = r["values_run"]["configured"]
+        assert carried == 0 and total > 0
+
+
 def _train_union_with_every_position_code(rank: int, world: int) -> dict:
     return {
         code: _train_levels(rank, world, True, 0, STAGE3, True, {"support": "union", "position_code": code})

@@ -113,8 +113,18 @@ def _raw_nonfinite(rank: int, world: int) -> bytes:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     out = {}
-    # (codec, value injected on rank 1): 1e30 is finite but overflows fp16 on the wire
-    for codec, value in [("fp16", math.nan), ("fp16", 1e30), ("topk", math.inf), ("powersgd", math.nan)]:
+    # (codec, value injected on rank 1, where): 1e30 is finite but overflows fp16 on the wire;
+    # "entry" puts the value in one entry of the first weight's gradient, which randk's shared
+    # draw leaves out of the all-reduced sum (it would stay in the residual): only the flag that
+    # travels with the sum tells the ranks
+    cases = [
+        ("fp16", math.nan, "loss"),
+        ("fp16", 1e30, "loss"),
+        ("topk", math.inf, "loss"),
+        ("powersgd", math.nan, "loss"),
+        ("randk", math.nan, "entry"),
+    ]
+    for codec, value, where in cases:
         net = Net()
         ddp = DDP(net)
         state, hook = lightning_gradcomp.make_comm_hook(codec, ddp)
@@ -125,10 +135,16 @@ def _raw_nonfinite(rank: int, world: int) -> bytes:
             torch.manual_seed(100 * step + rank)
             opt.zero_grad()
             loss = ddp(torch.randn(8, 16)).square().mean()
-            if step == BAD and rank == 1:
+            handle = None
+            if step == BAD and rank == 1 and where == "loss":
                 loss = loss * value
+            elif step == BAD and rank == 1:
+                first = next(net.parameters())
+                handle = first.register_hook(lambda g: g.flatten().index_fill(0, torch.tensor([0]), value).view_as(g))
             before = {k: v.clone() for k, v in state.memory.residuals.items()}
             loss.backward()
+            if handle is not None:
+                handle.remove()
             skip = state.consume_skip()
             if not skip:
                 opt.step()
@@ -141,7 +157,7 @@ def _raw_nonfinite(rank: int, world: int) -> bytes:
                     "residuals_kept": same(before, state.memory.state_dict()) if before else None,
                 }
             )
-        out[f"{codec}-{value}"] = rec
+        out[f"{codec}-{value}-{where}"] = rec
     return to_bytes(out)
 
 
