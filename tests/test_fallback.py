@@ -117,3 +117,15 @@ def test_close_call_still_drops_a_bucket_that_costs_more_compressed(clock):
     drive(policy, clock, plain_s=1.3, compressed_s=1.2, steps=12, compressed_share=0.3)
     ((c, d),) = policy.decisions.values()
     assert c > 1.1 * d and policy.fallback == {"bucket"}
+
+
+def test_a_resumed_policy_keeps_its_decision_and_sends_the_bucket_plainly_at_once(clock):
+    policy = FallbackPolicy(enabled=True)
+    drive(policy, clock, plain_s=1.3, compressed_s=1.36, steps=12)
+    assert policy.decided and policy.fallback == {"bucket"}
+    resumed = FallbackPolicy(enabled=True)
+    resumed.load_state_dict(policy.state_dict())
+    # no step compressed or timed again: the checkpoint's decision holds from the first step
+    kinds = drive(resumed, clock, plain_s=1.3, compressed_s=1.36, steps=6, start=0)
+    assert kinds == [False] * 6
+    assert resumed.decided and resumed.fallback == {"bucket"} and resumed.state_dict() == policy.state_dict()
