@@ -168,3 +168,24 @@ def test_plain_dtype_is_checked():
     with pytest.raises(ValueError, match=r"plain_dtype must be one of \['float32', 'bfloat16'\]"):
         make_codec("lgc", plain_dtype="float16")
     assert make_codec("topk").harness.plain_dtype == "float32"
+
+
+def test_lgc_stage_three_on_a_union_support_gives_every_rank_the_mean_of_what_the_ranks_sent():
+    """In stage 3 each rank sends its own names in the leader's levels and the other ranks' names
+    in the others' levels; whatever the code dropped stays in the rank's residual. So what a rank
+    sent, ``g + e_before - e_after``, is what the code decoded, and every rank receives the mean of
+    those: a receiver that read a part with the wrong levels would not."""
+    steps = WARMUP + TRAIN + 3
+    ranks = run_gloo(_steps, 2, args=("lgc", dict(LGC, support="union"), steps))
+    big = [n for n, p in _mlp().named_parameters() if p.numel() >= 1000]
+    stage3 = [i for i, r in enumerate(ranks[0]) if r["stage"] == 3]
+    assert stage3 == list(range(WARMUP + TRAIN, steps))
+    for i in stage3:
+        assert ranks[0][i]["bytes"] < ranks[0][WARMUP]["bytes"] / 2  # the values coded: 2 bits, not 32
+        for name in big:
+            sent = [_sent(ranks[r][i], name) for r in range(2)]
+            for r in range(2):  # the code dropped something, which the residual keeps
+                assert ranks[r][i]["after"][name].abs().max() > 0
+            mean = (sent[0] + sent[1]) / 2
+            for r in range(2):
+                torch.testing.assert_close(ranks[r][i]["grads"][name], mean, rtol=1e-5, atol=1e-8)
