@@ -238,6 +238,25 @@ def test_the_rule_goes_light_on_a_fast_change_of_the_norm_and_after_a_learning_r
     assert (twin.level, twin.steps_at_level, twin._previous_norm) == (cb.level, cb.steps_at_level, cb._previous_norm)
 
 
+def _drive_with_this_ranks_norms(rank: int, world: int) -> tuple[list[float], list[bool]]:
+    """The rule above on two ranks that see different norms (as a codec that handed them different
+    aggregates would make them): rank 1's jumps threefold at step 10, rank 0's stays flat."""
+    cb = AdaptiveCompression(eta=0.5, interval=2, warmup=2, low_level=0.0)
+    norms = [1.0] * 10 + [3.0 if rank == 1 else 1.0] * 6
+    levels, _ = _drive(cb, norms, [0.1] * len(norms))
+    return levels, [d["critical"] for d in cb.decisions]
+
+
+def test_ranks_that_see_different_norms_still_take_the_same_level():
+    """The verdict is agreed over the ranks (the largest norm, any rank's critical regime), so a
+    rank that alone sees the jump still makes every rank go light, at the same step."""
+    (levels0, critical0), (levels1, critical1) = run_gloo(_drive_with_this_ranks_norms, 2)
+    assert levels0 == levels1 and critical0 == critical1
+    # heavy after the warm-up until the window of steps 10-11, decided at step 12: light from
+    # there on both ranks
+    assert levels0[:14] == [0.0] * 4 + [1.0] * 8 + [0.0] * 2, levels0
+
+
 @pytest.mark.parametrize("lr_reference", ["previous", "peak"])
 def test_a_smooth_decay_is_a_drop_each_time_it_halves_the_peak_rate(lr_reference):
     """A rate that rises for 4 steps, then falls by 10 % a step: no step falls by half, so with
