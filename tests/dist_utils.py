@@ -3,8 +3,9 @@
 A spawned rank imports torch, Lightning and this package again: about 6 s a two-rank launch on
 two cores, most of the suite's time. A fork server imports them once; each rank is forked from
 that clean, single-threaded server (never from pytest's own process, whose threads a fork would
-copy half-way), so it starts as safely as a spawned one and in a fraction of the time. The
-server is the one ``multiprocessing`` keeps per process, so Lightning's launcher shares it."""
+copy half-way), so it starts as safely as a spawned one and in a fraction of the time.
+Lightning's own launches in the tests still spawn: its launcher treats a fork server as it treats
+``fork``, without handing the ranks the parent's random state."""
 
 from __future__ import annotations
 
