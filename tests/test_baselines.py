@@ -116,3 +116,23 @@ def test_terngrad_is_ternary_and_unbiased_for_the_clipped_gradient():
     assert torch.equal(codec.decode(enc.payload, None, 512, 1), enc.local)
     mean = torch.stack([codec.encode(x, "w", x, s).local for s in range(3000)]).mean(0)
     assert torch.allclose(mean, clipped, atol=0.12)
+
+
+def test_randk_ranks_draw_the_same_positions_and_every_step_new_ones():
+    # the positions never travel: every rank must draw the same ones for a step and layer, or the
+    # all-reduce would add unrelated entries; and a new set each step, or what one step's draw left
+    # out would wait in the residual for ever
+    ranks = [setup_codec("randk", world=2, rank=r, ratio=0.1) for r in range(2)]
+    xs = [torch.randn(1000, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    encs = [codec.encode(x, "w", x, 7) for codec, x in zip(ranks, xs)]
+    idx = encs[0].ctx
+    assert idx.numel() == 100 and torch.equal(idx, encs[1].ctx)
+    for enc, x in zip(encs, xs):
+        assert torch.equal(enc.payload[0], x[idx])
+        assert torch.equal(enc.local, torch.zeros(1000).index_put_((idx,), x[idx]))
+    total = ranks[0].decode([encs[0].payload[0] + encs[1].payload[0]], idx, 1000, 2)
+    assert torch.equal(total, encs[0].local + encs[1].local)
+    drawn = {tuple(sorted(ranks[0].encode(xs[0], "w", xs[0], step).ctx.tolist())) for step in range(150)}
+    assert len(drawn) == 150
+    assert set().union(*drawn) == set(range(1000))
+    assert not torch.equal(ranks[0].encode(xs[0], "v", xs[0], 7).ctx, idx)  # each layer its own draw
