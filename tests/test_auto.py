@@ -59,6 +59,21 @@ def test_communication_hidden_behind_backward_stays_plain():
     assert rank_plans(buckets, [0, 1, 2], link, limit=9, margin=0.0) == [(predicted, (0, 2))]
 
 
+def test_equal_predictions_take_the_plan_that_compresses_less():
+    # the first bucket's all-reduce ends behind backward's 500 ms whether it travels plainly or in
+    # half the bytes (both arms cost no CPU here): the model cannot tell the two plans apart, and
+    # the one that compresses less carries less error for the same time
+    buckets = [
+        bucket("early", 1e6, 0.0, [0.0, 0.0], [0.0, 0.0], [1e6, 5e5]),
+        bucket("last", 1e6, 0.5, [0.0, 0.0], [0.0, 0.0], [1e6, 5e5]),
+    ]
+    link = LinkModel(1e-3, 100 * MBIT)
+    assert predict_step((0, 1), buckets, link) == predict_step((1, 1), buckets, link)
+    ranked = rank_plans(buckets, [0, 1], link, limit=4, margin=0.0)
+    assert [plan for _, plan in ranked] == [(0, 1), (1, 1)]
+    assert choose_plan(buckets, [0, 1], link)[0] == (0, 1)
+
+
 def test_the_level_bounds_the_arms():
     buckets = [arms_for(25e6, 0.0, "b0")]
     plan, _ = choose_plan(buckets, [0, 1], LinkModel(1e-3, 10 * MBIT))
