@@ -11,7 +11,7 @@ import torch.nn as nn
 from dist_utils import run_gloo
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_gradcomp import CompressedDDPStrategy, make_codec, make_comm_hook
+from lightning_gradcomp import CodecContext, CompressedDDPStrategy, make_codec, make_comm_hook
 from lightning_gradcomp.codecs.auto import BucketCosts, LinkModel, choose_plan, predict_step, rank_plans
 
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
@@ -72,6 +72,30 @@ def test_equal_predictions_take_the_plan_that_compresses_less():
     ranked = rank_plans(buckets, [0, 1], link, limit=4, margin=0.0)
     assert [plan for _, plan in ranked] == [(0, 1), (1, 1)]
     assert choose_plan(buckets, [0, 1], link)[0] == (0, 1)
+
+
+def _kept_after_trials(step_times: list[list[float]]) -> dict[str, int]:
+    """The plan ``auto`` keeps (one rank) when its two trial plans, plain (arm 0) and gradiveq
+    (arm 2, a tenth of the bytes), take these step times, the first of each not counted."""
+    codec = make_codec("auto", probe_steps=2, slack=0.02)
+    codec.setup(CodecContext(0, 1, torch.device("cpu")))
+    codec.costs = [arms_for(1e6)]
+    codec.link = LinkModel(1e-3, 100 * MBIT)
+    codec._trials, codec._trial_times, codec._trial_reason = [(0.1, (0,)), (0.1, (2,))], [[], []], "test"
+    for times in step_times:
+        for t in times:
+            codec._trial_step(t)
+    assert not codec._trials  # decided
+    return dict(codec.plan)
+
+
+def test_timed_plans_within_the_slack_keep_the_one_that_sends_fewest_bytes():
+    # gradiveq 1 % slower than plain is as fast within the 2 % slack: it is kept for its bytes
+    assert _kept_after_trials([[9.0, 0.100, 0.100], [9.0, 0.101, 0.101]]) == {"b": 2}
+    # 5 % slower is slower: plain is kept
+    assert _kept_after_trials([[9.0, 0.100, 0.100], [9.0, 0.105, 0.105]]) == {"b": 0}
+    # the first step of a plan pays for the switch and is not counted
+    assert _kept_after_trials([[0.0, 0.100, 0.100], [9.0, 0.100, 0.100]]) == {"b": 2}
 
 
 def test_the_level_bounds_the_arms():
