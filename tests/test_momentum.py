@@ -83,6 +83,8 @@ def test_momentum_options_are_checked_and_refused_where_they_cannot_apply():
         make_codec("topk", momentum=1.0)
     with pytest.raises(ValueError, match="set momentum > 0 too"):
         make_codec("topk", nesterov=True)
+    with pytest.raises(ValueError, match="set momentum > 0 too"):  # decay without momentum would be dropped
+        make_codec("topk", weight_decay=5e-4)
     with pytest.raises(ValueError, match="cannot take momentum correction"):
         make_codec("powersgd", momentum=0.9)
 
