@@ -3,13 +3,14 @@
 import hashlib
 import json
 import os
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn as nn
 
-from lightning_gradcomp import CompressedDDPStrategy
+from lightning_gradcomp import CompressedDDPStrategy, make_codec
 from lightning_gradcomp.callbacks import AccuracyDropRollback, ThetaDecay
 from lightning_gradcomp.callbacks.theta_decay import theta_at
 
@@ -58,6 +59,25 @@ def test_callback_state_round_trips():
     rb.load_state_dict({"best": 0.7, "bad_checks": 0, "rollbacks": 2, "last_good_step": 40})
     assert (rb.best, rb.rollbacks) == (0.7, 2)
     assert AccuracyDropRollback(monitor="a").state_key != AccuracyDropRollback(monitor="b").state_key
+
+
+def test_a_resumed_theta_decay_continues_its_schedule_from_the_start_it_recorded():
+    # the codec comes back at the decayed theta; the schedule's start is the one the run began with
+    codec = make_codec("fft", theta=0.9)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(codec=codec), global_step=0, estimated_stepping_batches=50)
+    module = SimpleNamespace(log=lambda *args, **kwargs: None)
+    first = ThetaDecay(theta_end=0.5, schedule="linear")
+    first.on_fit_start(trainer, module)
+    trainer.global_step = 25
+    first.on_train_batch_start(trainer, module, None, 0)
+    assert codec.compression_level == pytest.approx(0.7)
+    resumed = ThetaDecay(theta_end=0.5, schedule="linear")
+    resumed.load_state_dict(first.state_dict())
+    trainer.global_step = 30
+    for callback in (first, resumed):  # a second fit() of the same run, and a resumed run
+        callback.on_fit_start(trainer, module)
+        callback.on_train_batch_start(trainer, module, None, 0)
+        assert codec.compression_level == pytest.approx(0.66)  # 0.9 - 0.4 * 30 / 50
 
 
 # --------------------------------------------------------------------------------------------------
