@@ -80,6 +80,62 @@ def test_a_resumed_theta_decay_continues_its_schedule_from_the_start_it_recorded
         assert codec.compression_level == pytest.approx(0.66)  # 0.9 - 0.4 * 30 / 50
 
 
+def _validations(rollback: AccuracyDropRollback, values: list[float], codec=None) -> list[dict]:
+    """Feed ``rollback`` one validation value a step (one rank, no Lightning loop); a step's weights
+    are its number, so a restored state shows whose it was. Returns, after each value: the weight,
+    the rollbacks so far, the best value and the codec's limit."""
+    codec = codec if codec is not None else make_codec("fft", theta=0.9)
+    module = nn.Linear(1, 1, bias=False)
+    strategy = SimpleNamespace(broadcast=lambda value, src=0: value, codec=codec, hook_state=None)
+    trainer = SimpleNamespace(
+        sanity_checking=False,
+        fast_dev_run=False,
+        lightning_module=module,
+        optimizers=[],
+        strategy=strategy,
+        logger=None,
+    )
+    seen = []
+    for step, value in enumerate(values, start=1):
+        with torch.no_grad():
+            module.weight.fill_(step)
+        trainer.global_step, trainer.callback_metrics = step, {"val_loss": torch.tensor(value)}
+        rollback.on_validation_end(trainer, module)
+        seen.append(
+            {
+                "weight": module.weight.item(),
+                "rollbacks": rollback.rollbacks,
+                "best": rollback.best,
+                "limit": float(codec.compression_limit),
+            }
+        )
+    return seen
+
+
+def test_rollback_decides_on_the_best_value_in_its_mode_and_lowers_the_level_in_use():
+    # mode="min": a lower loss is the new best (0.8), and 0.95, 0.15 above it, is a drop
+    seen = _validations(AccuracyDropRollback(monitor="val_loss", mode="min", tolerance=0.1), [1.0, 0.8, 0.95])
+    assert [s["best"] for s in seen] == pytest.approx([1.0, 0.8, 0.8])
+    assert [s["rollbacks"] for s in seen] == [0, 0, 1]
+    assert seen[-1]["weight"] == 2.0  # the state of step 2, the last good one
+    assert seen[-1]["limit"] == pytest.approx(0.45)  # half the theta in use, 0.9
+    # the second rollback halves the level in use (theta 0.3 under the limit 0.45), not the limit
+    codec = make_codec("fft", theta=0.9)
+    rollback = AccuracyDropRollback(monitor="val_loss", mode="min", tolerance=0.1)
+    _validations(rollback, [1.0, 0.8, 0.95], codec)
+    codec.set_level(0.3)
+    seen = _validations(rollback, [0.8, 0.95], codec)
+    assert [s["rollbacks"] for s in seen] == [1, 2] and seen[-1]["limit"] == pytest.approx(0.15)
+
+
+def test_rollback_patience_counts_consecutive_bad_checks_only():
+    rollback = AccuracyDropRollback(monitor="val_loss", mode="min", tolerance=0.1, patience=2)
+    seen = _validations(rollback, [1.0, 1.5, 1.0, 1.5])  # bad, good, bad: never two in a row
+    assert [s["rollbacks"] for s in seen] == [0, 0, 0, 0]
+    seen = _validations(rollback, [1.5])  # the second bad check in a row
+    assert seen[-1]["rollbacks"] == 1 and seen[-1]["weight"] == 3.0  # back to the last good state, step 3
+
+
 # --------------------------------------------------------------------------------------------------
 # a 2-process run whose validation metric is scripted per epoch and per rank
 VAL = {0: (0.80, 0.80), 1: (0.50, 0.80), 2: (0.80, 0.20)}  # epoch -> (rank 0, rank 1)
