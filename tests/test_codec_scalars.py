@@ -139,6 +139,10 @@ def test_schedule_callbacks_override_options_and_log_nothing():
     pca = make_codec("gradiveq")
     PCAWarmup(refresh_window=3).setup(SimpleNamespace(strategy=SimpleNamespace(codec=pca)), None, "fit")
     assert pca.options.refresh_window == 3
+    # 0 is a value (never refit), not "keep the codec's own": only None keeps
+    assert PCAWarmup(refresh_every=0).overrides() == {"refresh_every": 0}
+    PCAWarmup(refresh_every=0).setup(SimpleNamespace(strategy=SimpleNamespace(codec=pca)), None, "fit")
+    assert pca.options.refresh_every == 0 and pca.options.refresh_window == 3
     with pytest.warns(UserWarning, match="PCAWarmup only acts on"):
         PCAWarmup().setup(trainer, None, "fit")
     # the codec's scalars are logged once, by the monitor

@@ -80,6 +80,9 @@ def test_callback_options_are_checked():
         PCAWarmup(warmup_steps=0)
     with pytest.raises(ValueError, match="refresh_window"):
         PCAWarmup(refresh_window=0)
+    with pytest.raises(ValueError, match="refresh_every"):
+        PCAWarmup(refresh_every=-1)
+    assert PCAWarmup(refresh_every=0).refresh_every == 0  # documented: never refit
 
 
 # --------------------------------------------------------------------------------------------------

@@ -45,8 +45,15 @@ def test_invalid_options_fail_fast(name, options, match):
 
 
 def test_strategy_rejects_foreign_hooks_and_bad_policies():
-    with pytest.raises(ValueError, match="registers its own communication hook"):
-        CompressedDDPStrategy(codec="topk", ddp_comm_hook=lambda s, b: None)
+    foreign = {
+        "ddp_comm_hook": lambda s, b: None,
+        "ddp_comm_state": object(),
+        "ddp_comm_wrapper": lambda hook: hook,
+        "model_averaging_period": 4,  # post-local SGD: it would replace the hook after some steps
+    }
+    for option, value in foreign.items():
+        with pytest.raises(ValueError, match=f"registers its own communication hook; '{option}'"):
+            CompressedDDPStrategy(codec="topk", **{option: value})
     with pytest.raises(ValueError, match="nonfinite must be one of"):
         CompressedDDPStrategy(codec="topk", nonfinite="ignore")
     with pytest.raises(ValueError, match="codec_options are only used with a codec name"):
@@ -96,6 +103,50 @@ def test_user_codecs_can_be_registered(user_registry):
 
     assert "my_identity" in available_codecs()
     assert isinstance(make_codec("my_identity"), Identity)
+
+
+def test_a_user_codec_wins_over_a_built_in_of_the_same_name(user_registry):
+    from lightning_gradcomp.registry import codec_class
+
+    builtin = codec_class("topk")
+
+    @gc.register_codec("topk")
+    class MyTopK(builtin):
+        pass
+
+    assert codec_class("topk") is MyTopK and isinstance(make_codec("topk"), MyTopK)
+    assert available_codecs().count("topk") == 1
+
+
+@pytest.fixture
+def fresh_discovery(monkeypatch, tmp_path):
+    """The codecs package with ``tmp_path`` as one more of its folders, and discovery not yet run."""
+    import importlib
+
+    from lightning_gradcomp import codecs, registry
+
+    monkeypatch.setattr(codecs, "__path__", [*codecs.__path__, str(tmp_path)])
+    monkeypatch.setattr(registry, "_discovered", False)
+    monkeypatch.setattr(registry, "_BUILTIN", dict(registry._BUILTIN))
+    importlib.invalidate_caches()
+    return tmp_path
+
+
+def test_a_codec_module_with_a_missing_dependency_is_skipped_with_a_warning(fresh_discovery):
+    (fresh_discovery / "needs_a_package.py").write_text("import a_package_that_is_not_installed\n")
+    with pytest.warns(RuntimeWarning, match="codec module 'needs_a_package' not loaded: .*a_package_that_is_not"):
+        names = available_codecs()
+    assert set(BASELINES) <= set(names)
+
+
+def test_a_broken_codec_module_fails_loudly_and_every_time(fresh_discovery):
+    from lightning_gradcomp import registry
+
+    (fresh_discovery / "broken.py").write_text("raise RuntimeError('a bug in the codec module')\n")
+    for _ in range(2):  # not once and then silently without it
+        with pytest.raises(RuntimeError, match="a bug in the codec module"):
+            available_codecs()
+        assert registry._discovered is False
 
 
 def test_every_codec_module_of_the_package_is_found_without_a_list():
