@@ -1586,3 +1586,40 @@ def test_pcaquant_measures_the_quantization_choices_of_gradiveq_on_real_gradient
     assert rows[("component", "nearest")]["quant_error"] < rows[("layer", "nearest")]["quant_error"]
     assert 0 < rows[("component", "nearest")]["total_error"] < 1
     assert "quant_scale" in capsys.readouterr().out
+
+
+def test_accuracy_summary_pairs_each_seed_with_none_and_spreads_the_differences():
+    def row(codec, seed, metric):
+        return {"task": "cifar10", "codec": codec, "seed": seed, "metric": metric, "max_epochs": 1, "status": "ok"}
+
+    rows = [row("none", 0, 0.60), row("none", 1, 0.70), row("topk", 0, 0.58), row("topk", 1, 0.69)]
+    topk = next(s for s in accuracy.summarize(rows) if s["codec"] == "topk")
+    # the metric spreads 0.11 across the seeds; what topk did, -0.02 and -0.01, spreads 0.01
+    assert topk["metric_spread"] == pytest.approx(0.11) and topk["vs_none_mean"] == pytest.approx(-0.015)
+    assert topk["vs_none_spread"] == pytest.approx(0.01)
+
+
+def test_tta_charges_a_warm_up_only_up_to_the_step_reached():
+    # 10 steps of 1 s after a 30-step warm-up at none's 4 s: the 10 steps reached were all warm-up
+    assert tta.seconds_to_step(10, 1.0, 30, 4.0) == pytest.approx(40.0)
+    assert tta.seconds_to_step(50, 1.0, 30, 4.0) == pytest.approx(50 + 30 * 3.0)
+    assert tta.seconds_to_step(50, 1.0, 30, None) == pytest.approx(50.0)
+
+
+def test_tta_reads_the_steady_ratio_of_a_run_at_one_level_from_its_last_step():
+    one_level = {"compression_ratio_last": 50.0, "level_steps": {"1": 781}}
+    two_levels = {"compression_ratio_last": 4.0, "raw": {"level_steps": {"0": 151, "1": 630}}}
+    assert not tta.level_changed(one_level) and tta.level_changed(two_levels)
+    assert tta._steady_ratio(one_level, 70.0) == 50.0  # the run's own steady ratio, not the timed steps'
+    assert tta._steady_ratio(two_levels, 70.0) == 70.0  # its last step was a light one
+
+
+def test_tta_curves_keep_the_last_configuration_of_a_codec():
+    def run(codec, seed, epochs, metric):
+        row = {"task": "cifar10", "codec": codec, "seed": seed, "max_epochs": epochs, "metric": metric}
+        return {**row, "history": [{"step": 10, "metric": metric}]}
+
+    rows = [run("topk", 0, 1, 0.5), run("topk", 1, 1, 0.6), run("topk", 0, 2, 0.7)]
+    curves, warnings = tta.accuracy_curves(rows, "cifar10")
+    assert curves["topk"]["final_metric"] == pytest.approx(0.7) and curves["topk"]["seeds"] == [0]
+    assert any("runs of 2 configurations; the last one's (1 run(s)) used" in w for w in warnings)
