@@ -485,6 +485,30 @@ def test_resume_matches_uninterrupted(resume_results, codec: str) -> None:
     _assert_continues_exactly(full, resumed, codec)
 
 
+def test_gradiveq_resumed_inside_or_at_the_end_of_its_warm_up_fits_what_it_would_have(tmp_path) -> None:
+    # gradiveq (basis_source="aggregate") samples the averaged gradients of its warm-up and fits
+    # its bases at the end of the warm-up's last step. A checkpoint at step CUT is written before
+    # the end-of-step work of step CUT - 1 runs (it runs as step CUT starts). Warm-up CUT: the
+    # resumed run must still fit, on the whole window's samples, or it sends plainly where the
+    # uninterrupted run compresses. Warm-up CUT + 3: the resumed run fits on the samples from
+    # before the cut too.
+    runs, dirs = [], []
+    for warmup in (CUT, CUT + 3):
+        opts = short_options("gradiveq", {"basis_source": "aggregate", "warmup_steps": warmup})
+        common = {"codec": "gradiveq", "codec_options": opts, "max_steps": STEPS, "model": {"step_data": True}}
+        dirs.append(tmp_path / f"warmup{warmup}")
+        runs.append({**common, "ckpt_dir": str(dirs[-1]), "ckpt_every": CUT})
+        runs.append({**common, "ckpt_path": str(dirs[-1] / f"step={CUT}.ckpt"), "weights_only": True})
+    results = _lightning(runs)
+    for i, d in enumerate(dirs):
+        saved = torch.load(d / f"step={CUT}.ckpt", weights_only=True)["gradcomp"]["shared"]
+        assert saved["step"] == CUT and saved["step_end_pending"] and saved["codec"]["fits"] == 0
+        assert saved["codec"]["samples"], "the window's samples travel in the checkpoint"
+        _assert_continues_exactly(results[2 * i], results[2 * i + 1], "gradiveq")
+        last = results[2 * i + 1][0]["rows"][-1]["codec_state"]
+        assert any(k.startswith("shared.bases.") for k in last), "the resumed run fitted its bases"
+
+
 def test_lgc_beside_adamw_resumes_like_an_uninterrupted_run(resume_results) -> None:
     full, resumed, ckpt_dir = resume_results["adamw:lgc"]
     saved = torch.load(ckpt_dir / f"step={CUT}.ckpt", weights_only=True)

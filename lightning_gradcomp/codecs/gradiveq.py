@@ -340,7 +340,8 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
         self._fits = 0
         self._last_fit_step = -1
         self._current_step = 0  # the latest step seen by observe_dense, prepare_bucket or on_step_end
-        # sample buffers of the current window (not checkpointed: a resumed window refits on fewer)
+        # sample buffers of the current window, one tensor a step (checkpointed, so that a run
+        # resumed inside a window, or at its end before the fit, fits on what it would have)
         self._samples: dict[str, list[Tensor]] = {}
         self._sample_lock = threading.Lock()
 
@@ -746,6 +747,8 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
             "fits": self._fits,
             "last_fit_step": self._last_fit_step,
             "slice_dim": self.options.slice_dim,
+            # empty between windows; inside one, up to max_samples rows of slice_dim a layer
+            "samples": {k: [t.detach().cpu().clone() for t in v] for k, v in self._samples.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -762,5 +765,7 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
         self._ev = {k: v.to(torch.float64).cpu() for k, v in state["explained_variance"].items()}
         self._fits = int(state["fits"])
         self._last_fit_step = int(state["last_fit_step"])
-        self._samples = {}
+        device = self.context.device if self.context is not None else torch.device("cpu")
+        with self._sample_lock:  # absent from checkpoints written before the samples were kept
+            self._samples = {str(k): [t.to(device) for t in v] for k, v in state.get("samples", {}).items()}
         self._refresh_working_copies()
