@@ -115,3 +115,31 @@ def test_strategy_rescales_before_every_backward_with_each_optimizer_rate():
     strategy.pre_backward(torch.tensor(0.0))  # a second micro-batch of the same step: no change
     assert torch.allclose(state.memory.residuals["a"], torch.full((3,), 2.0))
     assert torch.equal(state.memory.residuals["b"], torch.ones(3))
+
+
+def test_a_snapshot_restores_each_residual_with_the_rate_it_was_scaled_to():
+    # a rollback (AccuracyDropRollback) goes back to a snapshot: a residual and its rate travel
+    # together, or the next rescale multiplies the restored residual by the wrong ratio
+    state = CodecHookState(make_codec("topk", lr_scaled_feedback=True))
+    state.memory.set("w", torch.ones(3))
+    state.rescale_residuals({"w": 0.1})
+    snapshot = state.snapshot()
+    state.rescale_residuals({"w": 0.05})
+    assert torch.allclose(state.memory.residuals["w"], torch.full((3,), 2.0))
+    state.restore(snapshot, torch.device("cpu"))
+    assert torch.equal(state.memory.residuals["w"], torch.ones(3)) and state.residual_lr == {"w": 0.1}
+    state.rescale_residuals({"w": 0.05})  # as if the rolled-back steps had never run
+    assert torch.allclose(state.memory.residuals["w"], torch.full((3,), 2.0))
+
+
+def test_a_second_fit_continues_the_residuals_and_their_rates():
+    first = CodecHookState(make_codec("topk", lr_scaled_feedback=True))
+    first.memory.set("w", torch.ones(3))
+    first.momentum_buffers.set("w", torch.full((3,), 3.0))
+    first.rescale_residuals({"w": 0.1})
+    first.step, first.nonfinite_steps = 12, 1
+    second = CodecHookState(first.codec)
+    second.continue_from(first)
+    assert (second.step, second.nonfinite_steps, second.residual_lr) == (12, 1, {"w": 0.1})
+    assert torch.equal(second.memory.residuals["w"], torch.ones(3))
+    assert torch.equal(second.momentum_buffers.residuals["w"], torch.full((3,), 3.0))

@@ -49,6 +49,9 @@ NONFINITE_RUNS = [
         "nonfinite": "skip",
         "model": {"bad_step": BAD, "optimizer": "adamw"},
     },
+    # the uncompressed path (warm-ups, plain buckets, codecs that never compress): one rank's flag
+    # must stop the step on both
+    {"codec": "none", "nonfinite": "skip", "model": {"bad_step": BAD}},
 ]
 
 
@@ -57,7 +60,7 @@ def nonfinite_results() -> list[list[dict]]:
     return _lightning([{**r, "max_steps": 7} for r in NONFINITE_RUNS])
 
 
-@pytest.mark.parametrize("i", [0, 1, 2, 5], ids=["fp16", "topk", "powersgd", "lgc-adamw"])
+@pytest.mark.parametrize("i", [0, 1, 2, 5, 6], ids=["fp16", "topk", "powersgd", "lgc-adamw", "none"])
 def test_nonfinite_gradient_skips_the_step_on_every_rank(nonfinite_results, i) -> None:
     ranks = nonfinite_results[i]
     for r, out in enumerate(ranks):
@@ -86,6 +89,19 @@ def test_nonfinite_gradient_skips_the_step_on_every_rank(nonfinite_results, i) -
         assert ranks[0]["rows"][BAD]["residuals"] and not same(
             ranks[0]["rows"][BAD]["residuals"], ranks[1]["rows"][BAD]["residuals"]
         )
+
+
+def test_a_nonfinite_step_counts_once_however_many_of_its_buckets_held_one() -> None:
+    # the runs above have one bucket a step; a larger model flags the same step from each bucket
+    from lightning_gradcomp.hook import CodecHookState
+    from lightning_gradcomp.registry import make_codec
+
+    state = CodecHookState(make_codec("topk"))
+    for _ in range(3):  # three buckets of one step
+        state.note_nonfinite()
+    assert state.nonfinite_steps == 1 and state.consume_skip() and not state.consume_skip()
+    state.note_nonfinite()  # a later step
+    assert state.nonfinite_steps == 2 and state.consume_skip()
 
 
 def test_nonfinite_zero_steps_with_a_zeroed_gradient(nonfinite_results) -> None:
