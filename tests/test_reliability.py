@@ -651,3 +651,39 @@ def test_half_precision_parameters_every_codec(raw_results) -> None:
         assert torch.equal(r0[case]["weights"], r1[case]["weights"]), case
         if not case.startswith(("none", "fp16")):  # fp16 on 16-bit parameters saves nothing
             assert r0[case]["bytes"] < r0[case]["raw"], case  # the codec really ran
+
+
+def _overflowing_sum(rank: int, world: int, codec: str) -> dict:
+    """One gradient entry of 2e38 on both ranks, the rest small: each rank's bucket (and its sum)
+    is finite, the decoded sum of the ranks (4e38) overflows fp32."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_gradcomp.api import make_comm_hook
+
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64, bias=False)
+    ddp = DDP(model)
+    state, hook = make_comm_hook(codec, ddp, min_numel=256, dense_layers="none", fallback=False)
+    ddp.register_comm_hook(state, hook)
+    x = torch.zeros(1, 64)
+    x[0, 0] = 1.0  # the gradient of w[j, i] is x[i] times that of output j: column 0 only
+    out = []
+    for step in range(4):
+        ddp.zero_grad()
+        y = ddp(x)
+        (y.sum() + (2e38 if step == 3 else 1.0) * y[0, 0]).backward()
+        grad = model.weight.grad.clone()
+        out.append({"grad": grad, "skip": state.consume_skip(), "compressed": state.compressing(step)})
+    return {"steps": out, "nonfinite_steps": state.nonfinite_steps}
+
+
+@pytest.mark.parametrize("codec", ["topk", "fp16"])
+def test_a_sum_that_overflows_in_decoding_is_refused_on_every_rank(codec) -> None:
+    ranks = run_gloo(_overflowing_sum, 2, args=(codec,))
+    for r in ranks:
+        last = r["steps"][3]
+        assert last["compressed"] and float(r["steps"][2]["grad"].abs().max()) > 0
+        # each rank's gradient was finite, the decoded mean is not: zeroed and the step skipped
+        assert float(last["grad"].abs().max()) == 0.0 and last["skip"] and r["nonfinite_steps"] == 1
+    assert torch.equal(ranks[0]["steps"][3]["grad"], ranks[1]["steps"][3]["grad"])
