@@ -149,3 +149,39 @@ def test_fallback_at_its_default_decides_alike_on_every_rank(monkeypatch):
         assert bool(torch.isfinite(out["final"]).all())
     assert ranks[0]["fallback"] == ranks[1]["fallback"]
     assert torch.equal(ranks[0]["final"], ranks[1]["final"])
+
+
+def _saved_topk_run(world_size: int) -> dict:
+    """What the strategy writes for a topk run of ``world_size`` ranks at step 9, every rank
+    holding a residual for "w"."""
+    from lightning_gradcomp.hook import CodecHookState
+
+    state = CodecHookState(gc.make_codec("topk"))
+    state.step = 9
+    state.memory.set("w", torch.ones(3))
+    return {
+        "version": 1,
+        "codec": "topk",
+        "options": state.codec.config(),
+        "world_size": world_size,
+        "shared": state.state_dict(),
+        "ranks": [state.rank_state_dict() for _ in range(world_size)],
+    }
+
+
+def test_a_checkpoint_of_another_codec_or_world_size_does_not_load_what_cannot_apply():
+    from lightning_gradcomp.hook import CodecHookState
+
+    # another codec: nothing of its state is taken (the step counter included), and the user is told
+    strategy = CompressedDDPStrategy(codec="fp16")
+    state = CodecHookState(strategy.codec)
+    with pytest.warns(UserWarning, match="the checkpoint's gradient codec was 'topk', this run uses 'fp16'"):
+        strategy._apply_checkpoint(state, _saved_topk_run(1))
+    assert state.step == 0 and state.memory.keys() == []
+    # another world size (two ranks wrote it, one reads it here): the shared state is taken, the
+    # per-rank residuals cannot be mapped to the new ranks and start from zero
+    strategy = CompressedDDPStrategy(codec="topk")
+    state = CodecHookState(strategy.codec)
+    with pytest.warns(UserWarning, match="written by 2 ranks and this run has 1: per-rank residuals"):
+        strategy._apply_checkpoint(state, _saved_topk_run(2))
+    assert state.step == 9 and state.memory.keys() == []
