@@ -525,6 +525,29 @@ def test_gradiveq_resumed_inside_or_at_the_end_of_its_warm_up_fits_what_it_would
         assert any(k.startswith("shared.bases.") for k in last), "the resumed run fitted its bases"
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known: rank 0's messages kept for lgc's next refit of its levels are not checkpointed "
+    "(every rank's shared state must be identical, and only rank 0 holds them), so a run resumed "
+    "between two refits fits on the steps since the resume (docs/reliability.md)",
+)
+def test_lgc_resumed_between_two_refits_of_its_levels_fits_what_it_would_have(tmp_path) -> None:
+    # lgc refits its levels every refit_every stage-3 steps on rank 0's messages since the last
+    # fit, and the refit's held-out error decides again which layers the code carries. Stage 3
+    # starts at step 6 here and the refits follow steps 9 and 13: the first one's window holds
+    # step 6, before the checkpoint at step CUT, and the resumed run must fit on it too. (With
+    # refit_every=0 the same runs resume bit for bit.)
+    opts = short_options("lgc", {"refit_every": 4})
+    common = {"codec": "lgc", "codec_options": opts, "max_steps": STEPS, "model": {"step_data": True, "momentum": 0.9}}
+    full, resumed = _lightning(
+        [
+            {**common, "ckpt_dir": str(tmp_path), "ckpt_every": CUT},
+            {**common, "ckpt_path": str(tmp_path / f"step={CUT}.ckpt"), "weights_only": True},
+        ]
+    )
+    _assert_continues_exactly(full, resumed, "lgc")
+
+
 def test_lgc_beside_adamw_resumes_like_an_uninterrupted_run(resume_results) -> None:
     full, resumed, ckpt_dir = resume_results["adamw:lgc"]
     saved = torch.load(ckpt_dir / f"step={CUT}.ckpt", weights_only=True)
