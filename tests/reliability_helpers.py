@@ -231,6 +231,9 @@ def _fit(rank: int, world: int, run: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"error": None}
     try:
         trainer.fit(model, ckpt_path=run.get("ckpt_path"), weights_only=run.get("weights_only"))
+        if run.get("second_fit_max_steps"):  # the same trainer and strategy, fitted on for more steps
+            trainer.fit_loop.epoch_loop.max_steps = run["second_fit_max_steps"]
+            trainer.fit(model)
     except BaseException as err:  # every rank reports its own error
         out["error"] = type(err).__name__
         out["message"] = str(err)

@@ -548,6 +548,20 @@ def test_lgc_resumed_between_two_refits_of_its_levels_fits_what_it_would_have(tm
     _assert_continues_exactly(full, resumed, "lgc")
 
 
+def test_a_second_fit_continues_the_hook_where_the_first_stopped() -> None:
+    # trainer.fit() again on the same trainer: the strategy registers its hook on a new DDP
+    # wrapper, which takes over the step counter, the residuals and the statistics
+    run = {"codec": "topk", "codec_options": short_options("topk"), "max_steps": 4, "second_fit_max_steps": 7}
+    (ranks,) = _lightning([{**run, "model": {"step_data": True}}])
+    for out in ranks:
+        assert out["error"] is None, out.get("message")
+        rows = out["rows"]
+        assert [row["hook_step"] for row in rows] == list(range(1, 8)) and out["hook_step"] == 7
+        # the residuals the first fit left are the ones the second fit's first step added and renewed
+        assert rows[3]["residuals"] and rows[4]["residuals"].keys() == rows[3]["residuals"].keys()
+        assert not same(rows[4]["residuals"], rows[3]["residuals"])
+
+
 def test_lgc_beside_adamw_resumes_like_an_uninterrupted_run(resume_results) -> None:
     full, resumed, ckpt_dir = resume_results["adamw:lgc"]
     saved = torch.load(ckpt_dir / f"step={CUT}.ckpt", weights_only=True)
