@@ -414,7 +414,7 @@ def test_a_resumed_run_goes_on_at_the_level_its_checkpoint_recorded(runs):
 RANK_SCHEDULE = {0: 1.0, 4: 0.0, 7: 0.5, 10: 1.0}  # step -> level set before it
 
 
-def _powersgd_steps(rank: int, world: int) -> list[dict]:
+def _powersgd_steps(rank: int, world: int, limits: dict[int, float] | None = None) -> list[dict]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
     ddp = DDP(model)
@@ -426,6 +426,8 @@ def _powersgd_steps(rank: int, world: int) -> list[dict]:
     for step in range(13):
         if step in RANK_SCHEDULE:
             codec.set_level(RANK_SCHEDULE[step])
+        if limits and step in limits:  # as a rollback lowers it
+            codec.compression_limit = limits[step]
         g = torch.Generator().manual_seed(100 * step + rank)  # each rank its own data
         x = torch.randn(16, 128, generator=g)
         optimizer.zero_grad()
@@ -452,6 +454,15 @@ def test_powersgd_changes_its_rank_between_steps_and_the_ranks_stay_identical():
     # from step 2 on torch's hook compresses both 128 x 128 weights: Q holds 2 * 128 * rank values
     for step in range(2, 13):
         assert r0[step]["q_sizes"] == [2 * 128 * r0[step]["rank"]], step
+
+
+def test_a_lowered_compression_limit_changes_powersgds_rank_at_once():
+    # the limit caps the level whatever the schedule sets: lowered to 0.5 at step 11, the rank in
+    # use goes from 4 to 8 for the next step, as a level of 0.5 would
+    r0, r1 = run_gloo(_powersgd_steps, args=({11: 0.5},))
+    assert [s["rank"] for s in r0] == [4] * 4 + [16] * 3 + [8] * 3 + [4] + [8] * 2
+    assert all(a["rank"] == b["rank"] and a["q_sizes"] == b["q_sizes"] for a, b in zip(r0, r1))
+    assert r0[12]["q_sizes"] == [2 * 128 * 8]
 
 
 # --------------------------------------------------------------------------------------------------
