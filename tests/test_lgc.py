@@ -120,6 +120,8 @@ def test_state_dict_round_trip_restores_the_autoencoder(variant):
         c._samples.append(("w", step, step % 2, 3000, v))
     c.train_autoencoder()
     assert c.ae_trained and math.isfinite(c.ae_loss) and math.isfinite(c.ae_recon_error)
+    # one layer: its relative error, which the gate reads, is the aggregate's ||v_hat - v|| / ||v||
+    assert 0 < c.ae_recon_error != 1 and c.ae_layers["w"] == pytest.approx(c.ae_recon_error)
     buf = io.BytesIO()
     torch.save(c.state_dict(), buf)
     buf.seek(0)
