@@ -362,6 +362,20 @@ def test_compression_level_moves_the_support_between_ten_times_denser_and_the_ra
     assert d.compression_level == 0.5 and d.k_for(10_000) == c.k_for(10_000)
 
 
+def test_samples_at_the_configured_support_fit_no_denser_levels():
+    # stage 2 without the controller's light steps: every sample holds exactly k values, so there
+    # is no denser support and no second set of levels
+    g = torch.Generator().manual_seed(0)
+    c = LGCCodec(ratio=RATIO)
+    k = math.ceil(RATIO * 3000)
+    for step in range(16):
+        c._samples.append(("w", step, step % 2, 3000, torch.randn(2, k, generator=g) * 1e-3))
+    configured, denser = c._samples_by_support()
+    assert len(configured) == 16 and denser == []
+    c.train_autoencoder()
+    assert set(c._levels) == {"w"} and c._levels_denser == {}
+
+
 def test_denser_samples_are_cut_to_the_configured_support_and_fit_levels_of_their_own():
     """Under the level controller stage 2 can run on a denser support, whose values have another
     shape in units of their RMS. The configured support's levels are fitted to each sample cut to
