@@ -65,6 +65,18 @@ def test_statistics_resolve_spans_and_device_tensors_when_popped():
     assert stats.totals.encode_s == pytest.approx(0.75)
 
 
+def test_a_step_is_compressed_or_non_finite_when_any_of_its_buckets_was():
+    # the buckets of a step finish in any order: a plain bucket last (a small layer, a fallback)
+    # must not turn a compressed step into a plain one in the logs, nor hide a non-finite bucket
+    stats = StatsAccumulator()
+    stats.add(buckets=1, compressed=True, nonfinite=True)
+    stats.add(buckets=1, compressed=False, nonfinite=False)
+    step = stats.pop()
+    assert step.compressed and step.nonfinite and step.as_scalars()["phase"] == 1.0
+    stats.add(buckets=1, compressed=False)
+    assert not stats.pop().compressed  # a new step starts plain
+
+
 CASES = [
     torch.randn(1000),
     torch.randn(1000) * 1e-30,
