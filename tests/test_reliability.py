@@ -724,3 +724,55 @@ def test_a_sum_that_overflows_in_decoding_is_refused_on_every_rank(codec) -> Non
         # each rank's gradient was finite, the decoded mean is not: zeroed and the step skipped
         assert float(last["grad"].abs().max()) == 0.0 and last["skip"] and r["nonfinite_steps"] == 1
     assert torch.equal(ranks[0]["steps"][3]["grad"], ranks[1]["steps"][3]["grad"])
+
+
+def _one_nan_entry(rank: int, world: int) -> dict:
+    """lgc on the leader's support (rank 0 names the positions at even steps): at step 4 rank 1's
+    gradient holds one NaN, in column 0 of the weight, where every input is 0: its gradient is 0
+    on every rank at every step, so the leader never names it and no payload carries the NaN."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_gradcomp.api import make_comm_hook
+
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64, bias=False)
+    ddp = DDP(model)
+    options = {"warmup_steps": 2, "ae_train_steps": 4, "support": "leader", "ratio": 0.05}
+    state, hook = make_comm_hook("lgc", ddp, min_numel=256, dense_layers="none", fallback=False, **options)
+    ddp.register_comm_hook(state, hook)
+
+    def one_nan(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad[0, 0] = float("nan")
+        return grad
+
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for step in range(6):
+        x = torch.randn(8, 64, generator=g)
+        x[:, 0] = 0.0
+        ddp.zero_grad()
+        handle = model.weight.register_hook(one_nan) if step == 4 and rank == 1 else None
+        ddp(x).pow(2).mean().backward()
+        if handle is not None:
+            handle.remove()
+        residual = state.memory.get("weight")
+        out.append(
+            {
+                "grad": model.weight.grad.clone(),
+                "skip": state.consume_skip(),
+                "residual_finite": residual is None or bool(torch.isfinite(residual).all()),
+                "compressed": state.compressing(step),
+            }
+        )
+    return {"steps": out}
+
+
+def test_a_nan_no_payload_carries_still_stops_the_step_on_every_rank() -> None:
+    ranks = run_gloo(_one_nan_entry, 2)
+    for r in ranks:
+        bad = r["steps"][4]
+        assert bad["compressed"] and bad["skip"] and float(bad["grad"].abs().max()) == 0.0
+        assert all(s["residual_finite"] for s in r["steps"])
+        assert not r["steps"][5]["skip"] and float(r["steps"][5]["grad"].abs().max()) > 0
