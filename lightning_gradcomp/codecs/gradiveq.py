@@ -739,6 +739,8 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
     # ----------------------------------------------------------------------------------------------
     # checkpointing: identical on every rank
     def state_dict(self) -> dict[str, Any]:
+        with self._sample_lock:  # the hook's callbacks add samples from other threads
+            samples = {k: [t.detach().cpu().clone() for t in v] for k, v in self._samples.items()}
         return {
             **self.level_state(),
             "bases": {k: v.detach().cpu().clone() for k, v in self._bases.items()},
@@ -748,7 +750,7 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
             "last_fit_step": self._last_fit_step,
             "slice_dim": self.options.slice_dim,
             # empty between windows; inside one, up to max_samples rows of slice_dim a layer
-            "samples": {k: [t.detach().cpu().clone() for t in v] for k, v in self._samples.items()},
+            "samples": samples,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
