@@ -61,6 +61,15 @@ def test_channel_code_round_trips_in_exactly_its_size(channels, per, k, crowd):
     assert torch.equal(decode_channel_positions(code, counts, per), pos)
 
 
+@pytest.mark.parametrize("per", [1, 4, 9, 64])
+def test_channel_counts_round_trip_from_an_empty_to_a_full_channel(per):
+    # a count lies in [0, per]: a full channel needs per.bit_length() bits (3 for per = 4)
+    counts = torch.tensor([0, per, 1, per - 1, per])
+    data = encode_counts(counts, per)
+    assert data.numel() == counts_nbytes(5, per) == -(-5 * per.bit_length() // 8)
+    assert torch.equal(decode_counts(data, 5, per), counts)
+
+
 def test_channel_sizes_come_per_rank_from_stacked_counts():
     """Every rank computes every rank's code size from the gathered counts, in one call."""
     per = 576
