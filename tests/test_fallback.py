@@ -135,13 +135,13 @@ def _ledger_across_a_fallback(rank: int, world: int) -> dict:
     """One rank (world size 1: what arrives is what was sent): topk with error feedback for four
     compressed steps, then the bucket sent plainly, as after a fallback decision. Returns, for a
     compressed layer, the sum of the gradients, the sum of what was sent, and the residual."""
+    from test_lr_feedback import _mlp  # the same model as the learning-rate ledger
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lightning_gradcomp.api import make_comm_hook
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 10))
+    model = _mlp()
     ddp = DDP(model)
     state, hook = make_comm_hook("topk", ddp, ratio=0.02, min_numel=1000, dense_layers="none", fallback=False)
     ddp.register_comm_hook(state, hook)

@@ -342,6 +342,15 @@ def _previous_options(codec: str) -> dict:
     return {**short_options(codec), **PREVIOUS_OPTIONS.get(codec, {})}
 
 
+def _interrupted(run: dict, ckpt_dir: Path) -> list[dict]:
+    """``run`` uninterrupted, writing a checkpoint at step CUT into ``ckpt_dir``, and ``run``
+    resumed from that checkpoint."""
+    return [
+        {**run, "ckpt_dir": str(ckpt_dir), "ckpt_every": CUT},
+        {**run, "ckpt_path": str(ckpt_dir / f"step={CUT}.ckpt"), "weights_only": True},
+    ]
+
+
 @pytest.fixture(scope="module")
 def resume_results(tmp_path_factory) -> dict[str, list[list[dict]]]:
     present = [c for c in RESUME_CODECS if c in lightning_gradcomp.available_codecs()]
@@ -351,8 +360,7 @@ def resume_results(tmp_path_factory) -> dict[str, list[list[dict]]]:
         dirs[c] = d
         opts = short_options(c)
         common = {"codec": c, "codec_options": opts, "max_steps": STEPS, "model": {"step_data": True, "momentum": 0.9}}
-        runs.append({**common, "ckpt_dir": str(d), "ckpt_every": CUT})
-        runs.append({**common, "ckpt_path": str(d / f"step={CUT}.ckpt"), "weights_only": True})
+        runs.extend(_interrupted(common, d))
     previous = [c for c in PREVIOUS_CODECS if c in present]
     for c in previous:
         # those checkpoints were written without the level controller, which lgc now attaches by
@@ -370,8 +378,7 @@ def resume_results(tmp_path_factory) -> dict[str, list[list[dict]]]:
     adamw = tmp_path_factory.mktemp("resume-lgc-adamw")
     common = {"codec": "lgc", "codec_options": short_options("lgc"), "max_steps": STEPS}
     common["model"] = {"step_data": True, "optimizer": "adamw"}
-    runs.append({**common, "ckpt_dir": str(adamw), "ckpt_every": CUT})
-    runs.append({**common, "ckpt_path": str(adamw / f"step={CUT}.ckpt"), "weights_only": True})
+    runs.extend(_interrupted(common, adamw))
     # the earlier version's checkpoint beside AdamW, resumed with no options, and this version's
     # run with the options and the controller's rule that version took
     previous_adamw = {**common, "ckpt_path": str(PREVIOUS_ADAMW), "weights_only": True}
@@ -513,8 +520,7 @@ def test_gradiveq_resumed_inside_or_at_the_end_of_its_warm_up_fits_what_it_would
         opts = short_options("gradiveq", {"basis_source": "aggregate", "warmup_steps": warmup})
         common = {"codec": "gradiveq", "codec_options": opts, "max_steps": STEPS, "model": {"step_data": True}}
         dirs.append(tmp_path / f"warmup{warmup}")
-        runs.append({**common, "ckpt_dir": str(dirs[-1]), "ckpt_every": CUT})
-        runs.append({**common, "ckpt_path": str(dirs[-1] / f"step={CUT}.ckpt"), "weights_only": True})
+        runs.extend(_interrupted(common, dirs[-1]))
     results = _lightning(runs)
     for i, d in enumerate(dirs):
         saved = torch.load(d / f"step={CUT}.ckpt", weights_only=True)["gradcomp"]["shared"]
@@ -539,12 +545,7 @@ def test_lgc_resumed_between_two_refits_of_its_levels_fits_what_it_would_have(tm
     # refit_every=0 the same runs resume bit for bit.)
     opts = short_options("lgc", {"refit_every": 4})
     common = {"codec": "lgc", "codec_options": opts, "max_steps": STEPS, "model": {"step_data": True, "momentum": 0.9}}
-    full, resumed = _lightning(
-        [
-            {**common, "ckpt_dir": str(tmp_path), "ckpt_every": CUT},
-            {**common, "ckpt_path": str(tmp_path / f"step={CUT}.ckpt"), "weights_only": True},
-        ]
-    )
+    full, resumed = _lightning(_interrupted(common, tmp_path))
     _assert_continues_exactly(full, resumed, "lgc")
 
 
