@@ -1152,7 +1152,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         k = idx.numel()
         if self._keeps_refit_sample(key, step):  # the values as the message scales them
             sample = levels.normalize_by_channel(v, idx // per, x.numel() // per)[0] if per else v
-            self._keep_for_refit(key, step, sample, k > keep_count(self.options.ratio, x.numel()))
+            self._stage_for_refit(key, step, sample, k > keep_count(self.options.ratio, x.numel()))
         if not coded:  # stage 2, a layer the code does not carry, or one the guard sent exactly
             sent = self._exact(v, step)
             local[idx] = sent.to(local.dtype)
@@ -1225,7 +1225,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                     if per:
                         channels = idx.index_select(0, part) // per
                         sample = levels.normalize_by_channel(sample, channels, x.numel() // per)[0]
-                    self._keep_for_refit(key, step, sample, denser, role)
+                    self._stage_for_refit(key, step, sample, denser, role)
         if not coded:
             sent = self._exact(v, step)
             local[idx] = sent.to(local.dtype)
@@ -1285,6 +1285,8 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             assert self._ternary is not None
             return self._ternary.aggregate(payloads, None, numel)
         idx, s, z_lead, step, key, coded = ctx[:6]
+        if self._keeps_refit_sample(key, step):  # every rank's message of the layer was finite
+            self._commit_refit(key, step)
         out = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
         k = idx.numel()
         if not coded:  # stage 2, a layer too short for the code, or one the guard sent exactly

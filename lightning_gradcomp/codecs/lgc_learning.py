@@ -66,6 +66,10 @@ class LearnedCode:
         # "levels" in stage 3, rank 0 only: its own messages since the last fit, as
         # (key, step, role, denser, relative magnitudes, at most REFIT_VALUES of them)
         self._refit_samples: list[tuple[str, int, int, bool, Tensor]] = []
+        # rank 0: a layer's messages of the step in flight, as (step, values, denser, role); kept
+        # for the fit only once every rank's message of the step was finite (``aggregate`` runs),
+        # so that a skipped step leaves the samples as they were
+        self._refit_staged: dict[str, list[tuple[int, Tensor, bool, int | None]]] = {}
         self._refits = 0  # fits of the levels after the switch
         self._ae_layers_used = (0, 0)  # of the last step: layers the AE carried, layers it may carry
         self._values_used = (0, 0, 0)  # of the last step: values the code carried, support values, their code's bytes
@@ -146,6 +150,25 @@ class LearnedCode:
         """Whether this rank keeps ``key``'s message of ``step`` for the next fit (rank 0, every
         layer with levels, carried or not)."""
         return self.rank == 0 and self._refitting(step) and key in self._levels
+
+    def _stage_for_refit(self, key: str, step: int, v: Tensor, denser: bool, role: int | None = None) -> None:
+        """Rank 0, from ``encode``: hold ``key``'s message of ``step`` (one a role on a union
+        support) until :meth:`_commit_refit`; a message still held from an earlier step was of a
+        skipped one, and goes."""
+        with self._samples_lock:
+            held = self._refit_staged.get(key, [])
+            if held and held[0][0] != step:
+                held = []
+            self._refit_staged[key] = [*held, (step, v, denser, role)]
+
+    def _commit_refit(self, key: str, step: int) -> None:
+        """Rank 0, from ``aggregate`` (every rank's message of the layer was finite): keep what
+        :meth:`_stage_for_refit` held for ``key`` at ``step``."""
+        with self._samples_lock:
+            held = self._refit_staged.pop(key, [])
+        for held_step, v, denser, role in held:
+            if held_step == step:
+                self._keep_for_refit(key, step, v, denser, role)
 
     def _keep_for_refit(self, key: str, step: int, v: Tensor, denser: bool, role: int | None = None) -> None:
         """Rank 0: keep a seeded subsample of ``|v| / RMS(v)`` of its own message (the RMS of the
@@ -390,10 +413,18 @@ class LearnedCode:
         return {"ae_params": float(n), "ae_param_bytes": float(4 * n)}
 
     # ----------------------------------------------------------------------------------------------
-    # checkpointing: identical on every rank
+    # checkpointing: identical on every rank, but for the messages rank 0 keeps for the next refit
     def _learned_state_dict(self) -> dict[str, Any]:
-        """The learned code, its summary, stage 2's samples and the run's tallies, on the CPU."""
+        """The learned code, its summary, stage 2's samples and the run's tallies, on the CPU; and,
+        on rank 0, which writes the checkpoint, its messages kept for the next refit of the levels
+        (every other rank holds none)."""
         with self._samples_lock:
+            # by step, layer and role: within a step the layers come in DDP's bucket order, which
+            # differs on the first step after a resume (and each refit reads a layer's samples alone)
+            refit_samples = [
+                {"key": k, "step": s, "role": role, "denser": denser, "values": m.detach().cpu().clone()}
+                for k, s, role, denser, m in sorted(self._refit_samples, key=lambda smp: (smp[1], smp[0], smp[2]))
+            ]
             samples = [
                 {"key": k, "step": s, "leader": _to_cpu(lead), "numel": n, "values": v.detach().cpu().clone()}
                 for k, s, lead, n, v in self._samples
@@ -415,6 +446,7 @@ class LearnedCode:
             "samples": samples,
             "values_run": {name: list(t) for name, t in self._values_run.items()},
             "refits": self._refits,
+            "refit_samples": refit_samples,
         }
 
     def _load_learned_state_dict(self, state: dict[str, Any]) -> None:
@@ -440,8 +472,6 @@ class LearnedCode:
         self._levels = {str(k): _by_role(v).to(device) for k, v in state.get("levels", {}).items()}
         # before the denser support had levels of its own it used the configured support's
         self._levels_denser = {str(k): _by_role(v).to(device) for k, v in state.get("levels_denser", {}).items()}
-        # rank 0's messages since the last refit are not checkpointed: the next refit after a resume
-        # fits on the steps since the resume
         self._refits = int(state.get("refits", 0))
         for name, tally in state.get("values_run", {}).items():  # absent before it was counted
             self._values_run[str(name)] = [int(v) for v in tally]
@@ -453,6 +483,13 @@ class LearnedCode:
             self._sample_channels = {
                 (d["key"], int(d["step"])): d["channel_counts"] for d in state["samples"] if "channel_counts" in d
             }
+            # rank 0's messages since the last refit, which only rank 0 fits on (absent before they
+            # were saved: the next refit then fits on the steps since the resume)
+            saved = state.get("refit_samples", []) if self.rank == 0 else []
+            self._refit_samples = [
+                (d["key"], int(d["step"]), int(d["role"]), bool(d["denser"]), d["values"].to(device)) for d in saved
+            ]
+            self._refit_staged = {}
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
