@@ -147,6 +147,23 @@ def test_poor_code_is_gated_off():
     assert c.ae_trained and c.ae_layers == {} and c.ae_recon_error > 1e-6
 
 
+def test_a_light_steps_sample_cut_below_the_autoencoders_length_is_left_out_of_its_training():
+    """Stage 2 at the level controller's light steps keeps a support ten times denser; the switch
+    cuts each sample to the configured support. A layer whose configured support is shorter than
+    MIN_AE_LEN bypasses the AE, so its cut samples are left out of the AE's training (they used to
+    reach its convolutions, which cannot take them: the switch raised on every rank)."""
+    c = LGCCodec(code="autoencoder", ae_epochs=1, ratio=0.01, max_recon_error=100.0)
+    g = torch.Generator().manual_seed(0)
+    common = torch.randn(300, generator=g)
+    for step in range(6):
+        v = torch.stack([common + 0.3 * torch.randn(300, generator=g) for _ in range(2)]) * 1e-3
+        c._samples.append(("short", step, step % 2, 3000, v))  # configured support: 30 values
+        c._samples.append(("long", step, step % 2, 30000, v.clone()))  # configured support: all 300
+    assert math.ceil(0.01 * 3000) < MIN_AE_LEN <= 300
+    c.train_autoencoder()
+    assert c.ae_trained and math.isfinite(c.ae_loss) and list(c.ae_layers) == ["long"]
+
+
 # --------------------------------------------------------------------------------------------------
 # two real gloo ranks, raw DDP
 def _train_both_variants(rank: int, world: int) -> dict:

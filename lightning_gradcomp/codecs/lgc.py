@@ -95,7 +95,7 @@ from lightning_gradcomp.codecs.base import (
     run_steps,
 )
 from lightning_gradcomp.codecs.bits import pack_mask, unpack_mask
-from lightning_gradcomp.codecs.lgc_autoencoder import GradientAutoencoder
+from lightning_gradcomp.codecs.lgc_autoencoder import MIN_AE_LEN, GradientAutoencoder
 from lightning_gradcomp.codecs.lgc_learning import LearnedCode
 from lightning_gradcomp.codecs.positions import (
     MAX_KERNEL,
@@ -130,8 +130,6 @@ from lightning_gradcomp.registry import register_codec
 
 __all__ = ["LGCCodec", "LGCOptions", "GradientAutoencoder", "MIN_AE_LEN"]
 
-#: layers with fewer kept values than this bypass the AE (four stride-2 convolutions need ~31)
-MIN_AE_LEN = 64
 CODES = ("levels", "autoencoder")
 VARIANTS = ("rar", "ps")
 SELECTIONS = ("sampled", "exact")

@@ -17,9 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["GradientAutoencoder", "batches", "fit", "innovation", "recon_error"]
+__all__ = ["MIN_AE_LEN", "GradientAutoencoder", "batches", "fit", "innovation", "recon_error"]
 
 Sample = tuple[str, int, int, int, Tensor]  # key, step, leader, numel, (N, K) values
+
+
+#: layers with fewer kept values than this bypass the AE (four stride-2 convolutions need ~31)
+MIN_AE_LEN = 64
 
 
 class GradientAutoencoder(nn.Module):

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from lightning_gradcomp import comm
 from lightning_gradcomp.codecs import levels
 from lightning_gradcomp.codecs import lgc_autoencoder as autoencoder
-from lightning_gradcomp.codecs.lgc_autoencoder import GradientAutoencoder
+from lightning_gradcomp.codecs.lgc_autoencoder import MIN_AE_LEN, GradientAutoencoder
 from lightning_gradcomp.codecs.positions import union_of
 from lightning_gradcomp.codecs.sampling import keep_count, named_count
 
@@ -383,10 +383,12 @@ class LearnedCode:
         return key, step, lead, numel, levels.normalize_sample(values, named, channels, counts.numel())
 
     def _fit(self) -> tuple[float, dict[str, tuple[float, float]]]:
-        with self._samples_lock:
-            if not self._samples:
-                return float("nan"), {}
-        train, val = self._split_samples(self._samples_by_support()[0])
+        # a sample of a denser support (the level controller's light steps) cut to the configured
+        # one can be shorter than the AE takes: that layer's configured support bypasses the AE
+        configured = [smp for smp in self._samples_by_support()[0] if smp[4].shape[-1] >= MIN_AE_LEN]
+        if not configured:
+            return float("nan"), {}
+        train, val = self._split_samples(configured)
         return autoencoder.fit(self.ae, self.options, train, val, self.innovation_k)
 
     def _innovation(self, v: Tensor, numel: int) -> tuple[Tensor, Tensor]:
