@@ -312,7 +312,7 @@ class LearnedCode:
         configured support of that step's gradient; a union support's, to each rank's
         ``ceil(k / N)`` largest values among those it named."""
         with self._samples_lock:
-            samples = list(self._samples)
+            samples = _in_step_order(self._samples)
         configured, denser = [], []
         for key, step, lead, numel, values in samples:
             k = keep_count(self.options.ratio, numel)
@@ -421,15 +421,13 @@ class LearnedCode:
         on rank 0, which writes the checkpoint, its messages kept for the next refit of the levels
         (every other rank holds none)."""
         with self._samples_lock:
-            # by step, layer and role: within a step the layers come in DDP's bucket order, which
-            # differs on the first step after a resume (and each refit reads a layer's samples alone)
             refit_samples = [
                 {"key": k, "step": s, "role": role, "denser": denser, "values": m.detach().cpu().clone()}
-                for k, s, role, denser, m in sorted(self._refit_samples, key=lambda smp: (smp[1], smp[0], smp[2]))
+                for k, s, role, denser, m in _in_step_order(self._refit_samples)
             ]
             samples = [
                 {"key": k, "step": s, "leader": _to_cpu(lead), "numel": n, "values": v.detach().cpu().clone()}
-                for k, s, lead, n, v in self._samples
+                for k, s, lead, n, v in _in_step_order(self._samples)
             ]
             for d in samples:
                 counts = self._sample_channels.get((d["key"], d["step"]))
@@ -501,6 +499,13 @@ class LearnedCode:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._samples_lock = threading.Lock()
+
+
+def _in_step_order(samples: list) -> list:
+    """``samples`` (tuples of a layer, a step and more) by step, then layer: within a step the
+    layers come in DDP's bucket order, which differs on the first step after a resume, and the
+    autoencoder's training takes its batches in the order of the samples."""
+    return sorted(samples, key=lambda smp: (smp[1], smp[0]))
 
 
 def _by_role(table: Tensor) -> Tensor:
