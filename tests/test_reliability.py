@@ -52,6 +52,14 @@ NONFINITE_RUNS = [
     # the uncompressed path (warm-ups, plain buckets, codecs that never compress): one rank's flag
     # must stop the step on both
     {"codec": "none", "nonfinite": "skip", "model": {"bad_step": BAD}},
+    # gradiveq's leader at step BAD is rank 0 (step mod 2), which fits the step's bases on its own
+    # gradient before any rank knows of the NaN: a NaN there keeps the previous bases
+    {
+        "codec": "gradiveq",
+        "codec_options": {"min_numel": 256},
+        "nonfinite": "skip",
+        "model": {"bad_step": BAD, "bad_rank": 0},
+    },
 ]
 
 
@@ -60,7 +68,7 @@ def nonfinite_results() -> list[list[dict]]:
     return _lightning([{**r, "max_steps": 7} for r in NONFINITE_RUNS])
 
 
-@pytest.mark.parametrize("i", [0, 1, 2, 5, 6], ids=["fp16", "topk", "powersgd", "lgc-adamw", "none"])
+@pytest.mark.parametrize("i", [0, 1, 2, 5, 6, 7], ids=["fp16", "topk", "powersgd", "lgc-adamw", "none", "gradiveq"])
 def test_nonfinite_gradient_skips_the_step_on_every_rank(nonfinite_results, i) -> None:
     ranks = nonfinite_results[i]
     for r, out in enumerate(ranks):
