@@ -583,15 +583,26 @@ def test_lgc_resumed_inside_stage_2_fits_what_it_would_have(tmp_path, code: str,
 def test_a_second_fit_continues_the_hook_where_the_first_stopped() -> None:
     # trainer.fit() again on the same trainer: the strategy registers its hook on a new DDP
     # wrapper, which takes over the step counter, the residuals and the statistics
+    # and the codec's step-end work of the first fit's last step: gradiveq, whose warm-up window
+    # of 4 steps ends with the first fit, fits its bases on the window as the second fit starts
+    # (it sent plainly until its next window before)
     run = {"codec": "topk", "codec_options": short_options("topk"), "max_steps": 4, "second_fit_max_steps": 7}
-    (ranks,) = _lightning([{**run, "model": {"step_data": True}}])
-    for out in ranks:
+    window = short_options("gradiveq", {"basis_source": "aggregate", "warmup_steps": 4})
+    fitted = {**run, "codec": "gradiveq", "codec_options": window}
+    topk, gradiveq = _lightning([{**run, "model": {"step_data": True}}, {**fitted, "model": {"step_data": True}}])
+    for out in topk + gradiveq:
         assert out["error"] is None, out.get("message")
         rows = out["rows"]
         assert [row["hook_step"] for row in rows] == list(range(1, 8)) and out["hook_step"] == 7
+    for out in topk:
+        rows = out["rows"]
         # the residuals the first fit left are the ones the second fit's first step added and renewed
         assert rows[3]["residuals"] and rows[4]["residuals"].keys() == rows[3]["residuals"].keys()
         assert not same(rows[4]["residuals"], rows[3]["residuals"])
+    for out in gradiveq:
+        rows = out["rows"]
+        assert not any(k.startswith("shared.bases.") for k in rows[3]["codec_state"])
+        assert any(k.startswith("shared.bases.") for k in rows[4]["codec_state"])
 
 
 def test_lgc_beside_adamw_resumes_like_an_uninterrupted_run(resume_results) -> None:
