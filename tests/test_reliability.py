@@ -605,6 +605,19 @@ def test_a_second_fit_continues_the_hook_where_the_first_stopped() -> None:
         assert any(k.startswith("shared.bases.") for k in rows[4]["codec_state"])
 
 
+def test_a_second_fit_keeps_the_fallbacks_decision() -> None:
+    # as a checkpoint carries it: a bucket that fell back stays plain, without timing again
+    from lightning_gradcomp.hook import CodecHookState
+    from lightning_gradcomp.registry import make_codec
+
+    first = CodecHookState(make_codec("topk"), fallback=True)
+    first.fallback.load_state_dict({"decided": True, "fallback": ["body.2.weight..body.0.bias[4]"]})
+    second = CodecHookState(make_codec("topk"), fallback=True)
+    assert second.fallback.wants_timing()
+    second.continue_from(first)
+    assert not second.fallback.wants_timing() and second.fallback.falls_back("body.2.weight..body.0.bias[4]")
+
+
 def test_lgc_beside_adamw_resumes_like_an_uninterrupted_run(resume_results) -> None:
     full, resumed, ckpt_dir = resume_results["adamw:lgc"]
     saved = torch.load(ckpt_dir / f"step={CUT}.ckpt", weights_only=True)

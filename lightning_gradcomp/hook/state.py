@@ -130,10 +130,12 @@ class CodecHookState:
 
     def continue_from(self, previous: "CodecHookState") -> None:
         """A second ``fit()`` in the same process goes on where ``previous`` stopped: its step,
-        the codec's step-end work of its last step (which runs as the next step starts), residuals,
-        momentum, learning rates, non-finite count and whole-run statistics."""
+        the codec's step-end work of its last step (which runs as the next step starts), the
+        fallback's decision, residuals, momentum, learning rates, non-finite count and whole-run
+        statistics (what a checkpoint would carry)."""
         self.step = previous.step
         self._step_end_pending = previous._step_end_pending
+        self.fallback.load_state_dict(previous.fallback.state_dict())
         self.memory = previous.memory
         self.momentum_buffers = previous.momentum_buffers
         self.residual_lr = previous.residual_lr
