@@ -7,7 +7,9 @@ rank has sent plus its current residual equals the sum of its gradients.
 Residuals are keyed by parameter name, not by DDP bucket index, because DDP rebuilds its buckets
 after the first step and the order inside a bucket can change with precision settings. A residual
 becomes current only when the step's collective confirmed that no rank saw a non-finite gradient
-(:meth:`ResidualMemory.commit`), so a NaN never poisons later steps.
+(:meth:`ResidualMemory.commit`), so a NaN never poisons later steps. A step that is skipped as a
+whole can take back what its other buckets committed (:meth:`ResidualMemory.revert_step`): their
+residuals return to what they were before the step, as if it had not run.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class ResidualMemory:
     def __init__(self) -> None:
         self._current: dict[str, Tensor] = {}
         self._pending: dict[str, Tensor] = {}
+        # what this step's commits and drops replaced (None: nothing), for revert_step
+        self._before_step: dict[str, Tensor | None] = {}
         self._lock = threading.Lock()  # decode callbacks of different buckets run on comm threads
 
     @property
@@ -74,6 +78,7 @@ class ResidualMemory:
             for k in keys:
                 r = self._pending.pop(k, None)
                 if r is not None:
+                    self._before_step.setdefault(k, self._current.get(k))
                     self._current[k] = r
 
     def mask_pending(self, key: str, keep: Tensor) -> None:
@@ -94,7 +99,25 @@ class ResidualMemory:
         """Forget the current residuals of ``keys`` (they were sent in full)."""
         with self._lock:
             for k in keys:
-                self._current.pop(k, None)
+                if k in self._current:
+                    self._before_step.setdefault(k, self._current.pop(k))
+
+    def begin_step(self) -> None:
+        """A new step starts: what the last one committed stays."""
+        with self._lock:
+            self._before_step.clear()
+
+    def revert_step(self) -> None:
+        """Take back this step's commits and drops, and its staged residuals: the residuals are
+        those of before the step (a step skipped as a whole)."""
+        with self._lock:
+            for k, r in self._before_step.items():
+                if r is None:
+                    self._current.pop(k, None)
+                else:
+                    self._current[k] = r
+            self._before_step.clear()
+            self._pending.clear()
 
     def discard(self, keys: list[str]) -> None:
         with self._lock:
@@ -105,6 +128,7 @@ class ResidualMemory:
         with self._lock:
             self._current.clear()
             self._pending.clear()
+            self._before_step.clear()
 
     def norm(self) -> float:
         return float(sum(r.double().pow(2).sum() for r in self.residuals.values()) ** 0.5) if self.residuals else 0.0

@@ -99,6 +99,77 @@ def test_nonfinite_gradient_skips_the_step_on_every_rank(nonfinite_results, i) -
         )
 
 
+def test_a_skipped_step_takes_back_what_its_finite_buckets_committed():
+    from lightning_gradcomp.memory import ResidualMemory
+
+    memory = ResidualMemory()
+    memory.set("a", torch.ones(3))
+    memory.set("b", torch.full((3,), 2.0))
+    memory.begin_step()
+    memory.stage("a", torch.zeros(3))
+    memory.stage("c", torch.full((3,), 5.0))
+    memory.commit(["a", "c"])  # a finite bucket settles first
+    memory.drop(["b"])  # a plain bucket sent b's residual
+    memory.stage("a", torch.full((3,), 9.0))  # staged by a bucket still in flight
+    memory.revert_step()  # another bucket of the step was non-finite: the step is skipped
+    assert sorted(memory.keys()) == ["a", "b"]
+    assert torch.equal(memory.get("a"), torch.ones(3)) and torch.equal(memory.get("b"), torch.full((3,), 2.0))
+    memory.commit(["a"])  # nothing staged survives the revert
+    assert torch.equal(memory.get("a"), torch.ones(3))
+    memory.begin_step()  # a later step's commits stay
+    memory.stage("a", torch.zeros(3))
+    memory.commit(["a"])
+    memory.begin_step()
+    memory.revert_step()
+    assert torch.equal(memory.get("a"), torch.zeros(3))
+
+
+def _nan_in_one_bucket(rank: int, world: int, nonfinite: str) -> dict:
+    # a bucket a layer, and a NaN in the first layer's gradient only (as an overflow inside one
+    # layer's backward would leave it): the other buckets are finite and settle on their own
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_gradcomp.api import make_comm_hook
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)
+    )
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    state, hook = make_comm_hook("topk", ddp, min_numel=256, momentum=0.9, nonfinite=nonfinite)
+    ddp.register_comm_hook(state, hook)
+    model[0].weight.register_hook(lambda g: g * float("nan") if state.step == BAD and rank == 1 else g)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(rank)
+    rows = []
+    for _ in range(BAD + 2):
+        x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        if not state.consume_skip() or nonfinite == "zero":
+            opt.step()
+        rows.append({"residuals": state.memory.state_dict(), "momentum": state.momentum_buffers.state_dict()})
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"rows": rows, "nonfinite_steps": state.nonfinite_steps, "weights": weights}
+
+
+def test_a_step_skipped_for_one_buckets_nan_leaves_every_residual_as_it_was():
+    for nonfinite in ("skip", "zero"):
+        ranks = run_gloo(_nan_in_one_bucket, 2, args=(nonfinite,))
+        assert torch.equal(ranks[0]["weights"], ranks[1]["weights"])
+        for out in ranks:
+            assert out["nonfinite_steps"] == 1
+            before, after = out["rows"][BAD - 1], out["rows"][BAD]
+            assert sorted(before["residuals"]) == ["0.weight", "2.weight", "4.weight"]
+            assert {"0.weight", "2.weight", "4.weight"} <= set(before["momentum"])
+            kept = sorted(k for k in before["residuals"] if torch.equal(after["residuals"][k], before["residuals"][k]))
+            if nonfinite == "skip":  # the optimizer did not step: no bucket's residual or momentum moved
+                assert kept == ["0.weight", "2.weight", "4.weight"]
+                assert same(after["momentum"], before["momentum"])
+            else:  # the finite buckets were applied, and kept what they committed
+                assert kept == ["0.weight"]
+
+
 def test_a_nonfinite_step_counts_once_however_many_of_its_buckets_held_one() -> None:
     # the runs above have one bucket a step; a larger model flags the same step from each bucket
     from lightning_gradcomp.hook import CodecHookState

@@ -56,6 +56,7 @@ class CodecHookState:
         "nonfinite_steps",
         "skip_requested",
         "_step_end_pending",
+        "_step_discarded",
         "_lock",
         "_anon_keys",
     )
@@ -92,6 +93,7 @@ class CodecHookState:
         self.nonfinite_steps = 0
         self.skip_requested = False
         self._step_end_pending = False
+        self._step_discarded = False  # a bucket of this step was non-finite and the step is skipped
         self._lock = threading.Lock()
         self._anon_keys: dict[int, str] = {}
 
@@ -311,18 +313,33 @@ class CodecHookState:
         committed; with ``flushed`` (the plain path) ``keys`` are residuals that travelled in the
         bucket, and are dropped. Not kept (a non-finite value on some rank): the bucket is zeroed,
         what it staged is dropped (the residuals stay as they were) and the step is to be skipped.
+        With ``nonfinite="skip"`` no bucket of that step reaches the optimizer, so what its other
+        buckets committed is taken back as well, and those still to come commit nothing: every
+        residual is what it was before the step. (With ``"zero"`` the finite buckets are applied
+        and keep what they committed.)
         """
         if not keep:
             buf.zero_()
-            self.memory.discard(list(keys))
-            self.momentum_buffers.discard(list(momentum_keys))
+            with self._lock:
+                if self.nonfinite == "skip":
+                    self._step_discarded = True
+                    self.memory.revert_step()
+                    self.momentum_buffers.revert_step()
+                else:
+                    self.memory.discard(list(keys))
+                    self.momentum_buffers.discard(list(momentum_keys))
             self.note_nonfinite()
             return buf
-        if flushed:
-            self.memory.drop(list(keys))
-        else:
-            self.memory.commit(list(keys))
-        self.momentum_buffers.commit(list(momentum_keys))
+        with self._lock:  # against a non-finite bucket of the same step settling on another thread
+            if self._step_discarded:
+                self.memory.discard(list(keys))
+                self.momentum_buffers.discard(list(momentum_keys))
+                return buf
+            if flushed:
+                self.memory.drop(list(keys))
+            else:
+                self.memory.commit(list(keys))
+            self.momentum_buffers.commit(list(momentum_keys))
         return buf
 
     def received(self, fut: torch.futures.Future, step: int) -> Any:
@@ -386,6 +403,10 @@ class CodecHookState:
         # the previous step's futures have all completed (DDP waited for them), so step-end
         # work (refitting a basis, training an autoencoder) may run collectives here safely
         self._step_end_pending = False
+        # the previous step's buckets have all settled: what they committed stays
+        self._step_discarded = False
+        self.memory.begin_step()
+        self.momentum_buffers.begin_step()
         fallback = self.fallback
         timing = fallback.wants_timing()
         step_end_start = fallback.clock.mark() if timing else 0.0
