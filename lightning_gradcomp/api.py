@@ -38,8 +38,10 @@ def make_comm_hook(
         stats_every: sample the relative error every this many steps (``state.stats``).
         nonfinite: ``"zero"`` (default here) zeroes buckets in which any rank had a NaN/Inf and
             sets ``state.skip_requested``; call ``state.consume_skip()`` before ``optimizer.step()``
-            to skip the step yourself. ``"skip"`` behaves the same here; the Lightning strategy
-            also skips the optimizer step for you.
+            to skip the step yourself. ``"skip"`` says you will: the step's finite buckets then
+            take back the residuals they committed too, as if the step had not run (with
+            ``"zero"`` they keep them, since their gradients are applied). The Lightning strategy
+            skips the optimizer step for you.
         fallback: send a bucket plainly when compressing it costs more than it saves (timed over
             the first compressed steps; see :mod:`lightning_gradcomp.fallback`).
         total_steps: the run's length in optimizer steps, if known: warm-ups given as a fraction
