@@ -102,8 +102,9 @@ class ResidualMemory:
                 if k in self._current:
                     self._before_step.setdefault(k, self._current.pop(k))
 
-    def begin_step(self) -> None:
-        """A new step starts: what the last one committed stays."""
+    def end_step(self) -> None:
+        """Every bucket of the step has settled: what it committed is final, and the residuals it
+        replaced are let go."""
         with self._lock:
             self._before_step.clear()
 

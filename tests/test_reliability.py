@@ -105,7 +105,7 @@ def test_a_skipped_step_takes_back_what_its_finite_buckets_committed():
     memory = ResidualMemory()
     memory.set("a", torch.ones(3))
     memory.set("b", torch.full((3,), 2.0))
-    memory.begin_step()
+    memory.end_step()
     memory.stage("a", torch.zeros(3))
     memory.stage("c", torch.full((3,), 5.0))
     memory.commit(["a", "c"])  # a finite bucket settles first
@@ -116,10 +116,10 @@ def test_a_skipped_step_takes_back_what_its_finite_buckets_committed():
     assert torch.equal(memory.get("a"), torch.ones(3)) and torch.equal(memory.get("b"), torch.full((3,), 2.0))
     memory.commit(["a"])  # nothing staged survives the revert
     assert torch.equal(memory.get("a"), torch.ones(3))
-    memory.begin_step()  # a later step's commits stay
+    memory.end_step()  # a later step's commits are final once the step has settled
     memory.stage("a", torch.zeros(3))
     memory.commit(["a"])
-    memory.begin_step()
+    memory.end_step()
     memory.revert_step()
     assert torch.equal(memory.get("a"), torch.zeros(3))
 

@@ -295,7 +295,14 @@ class CodecHookState:
         """True once after a step whose gradient was non-finite on some rank."""
         with self._lock:
             skip, self.skip_requested = self.skip_requested, False
+        # called after backward, when every bucket has settled: the residuals a kept step replaced
+        # are let go now rather than at the next step's first bucket (after its forward)
+        self._end_step()
         return skip
+
+    def _end_step(self) -> None:
+        self.memory.end_step()
+        self.momentum_buffers.end_step()
 
     def note_nonfinite(self) -> None:
         with self._lock:
@@ -405,8 +412,7 @@ class CodecHookState:
         self._step_end_pending = False
         # the previous step's buckets have all settled: what they committed stays
         self._step_discarded = False
-        self.memory.begin_step()
-        self.momentum_buffers.begin_step()
+        self._end_step()
         fallback = self.fallback
         timing = fallback.wants_timing()
         step_end_start = fallback.clock.mark() if timing else 0.0
