@@ -421,12 +421,12 @@ def _previous_options(codec: str) -> dict:
     return {**short_options(codec), **PREVIOUS_OPTIONS.get(codec, {})}
 
 
-def _interrupted(run: dict, ckpt_dir: Path) -> list[dict]:
-    """``run`` uninterrupted, writing a checkpoint at step CUT into ``ckpt_dir``, and ``run``
+def _interrupted(run: dict, ckpt_dir: Path, cut: int = CUT) -> list[dict]:
+    """``run`` uninterrupted, writing a checkpoint at step ``cut`` into ``ckpt_dir``, and ``run``
     resumed from that checkpoint."""
     return [
-        {**run, "ckpt_dir": str(ckpt_dir), "ckpt_every": CUT},
-        {**run, "ckpt_path": str(ckpt_dir / f"step={CUT}.ckpt"), "weights_only": True},
+        {**run, "ckpt_dir": str(ckpt_dir), "ckpt_every": cut},
+        {**run, "ckpt_path": str(ckpt_dir / f"step={cut}.ckpt"), "weights_only": True},
     ]
 
 
@@ -496,7 +496,7 @@ def resume_results(tmp_path_factory) -> dict[str, list[list[dict]]]:
     return out
 
 
-def _rows_by_step(full: list[dict], resumed: list[dict]) -> list[tuple[dict, dict]]:
+def _rows_by_step(full: list[dict], resumed: list[dict], cut: int = CUT) -> list[tuple[dict, dict]]:
     """Per rank, the uninterrupted run's rows and the resumed run's, by global step; the resumed
     run ran without error, every step after the cut."""
     pairs = []
@@ -507,14 +507,14 @@ def _rows_by_step(full: list[dict], resumed: list[dict]) -> list[tuple[dict, dic
         )
         before = {row["global_step"]: row for row in full[r]["rows"]}
         after = {row["global_step"]: row for row in resumed[r]["rows"]}
-        assert sorted(after) == list(range(CUT + 1, STEPS + 1))
+        assert sorted(after) == list(range(cut + 1, STEPS + 1))
         pairs.append((before, after))
     return pairs
 
 
-def _assert_continues_exactly(full: list[dict], resumed: list[dict], codec: str) -> None:
+def _assert_continues_exactly(full: list[dict], resumed: list[dict], codec: str, cut: int = CUT) -> None:
     """The resumed run's steps after the cut are the uninterrupted run's, on both ranks."""
-    for r, (before, after) in enumerate(_rows_by_step(full, resumed)):
+    for r, (before, after) in enumerate(_rows_by_step(full, resumed, cut)):
         for s in after:
             if codec == "powersgd":
                 # torch's PowerSGD state is keyed by bucket index and a new DDP wrapper hands over
@@ -610,6 +610,39 @@ def test_resume_with_a_bucket_a_layer(tmp_path) -> None:
     for before, after in _rows_by_step(full, resumed):
         assert not torch.equal(after[CUT + 1]["weights"], before[CUT + 1]["weights"])
         torch.testing.assert_close(after[STEPS]["weights"], before[STEPS]["weights"], rtol=0, atol=2e-2)
+
+
+# (codec, options, cut, model): the short schedules put the cuts inside warm-ups (step 3: the first
+# compressed step; lgc: stage 1 at steps 0-2, stage 2 at 3-5, stage 3 from 6), right after a
+# skipped step, and beside AdamW; randk, rangefloat and terngrad draw per step and layer
+RESUME_AT = [
+    ("fp16", {}, 3, {}),
+    ("qsgd", {}, 4, {}),
+    ("randk", {}, 4, {}),
+    ("rangefloat", {}, 4, {}),
+    ("terngrad", {}, 4, {}),
+    ("fft", {}, 3, {}),
+    ("iwp", {}, 3, {}),
+    ("gradiveq", {}, 3, {}),
+    ("topk", {}, 4, {"optimizer": "adamw"}),
+    ("lgc", {}, 2, {}),
+    ("lgc", {"warmup_codec": "terngrad"}, 2, {}),
+    ("lgc", {"warmup_steps": 0, "density_warmup": 4}, 2, {}),
+    ("lgc", {"refit_every": 4}, 10, {"optimizer": "adamw"}),
+    ("lgc", {"refit_every": 4}, 7, {"bad_step": 6}),
+    ("gradiveq", {"basis_source": "aggregate", "warmup_steps": 7}, 7, {"bad_step": 6}),
+]
+
+
+def test_resume_at_every_stage_continues_exactly(tmp_path) -> None:
+    runs = []
+    for i, (codec, extra, cut, model) in enumerate(RESUME_AT):
+        common = {"codec": codec, "codec_options": short_options(codec, extra), "max_steps": STEPS}
+        common["model"] = {"step_data": True, "momentum": 0.9, **model}
+        runs.extend(_interrupted(common, tmp_path / str(i), cut))
+    results = _lightning(runs)
+    for i, (codec, extra, cut, model) in enumerate(RESUME_AT):
+        _assert_continues_exactly(results[2 * i], results[2 * i + 1], f"{codec} {extra} {model} at {cut}", cut)
 
 
 def test_gradiveq_resumed_inside_or_at_the_end_of_its_warm_up_fits_what_it_would_have(tmp_path) -> None:
