@@ -626,6 +626,7 @@ RESUME_AT = [
     ("gradiveq", {}, 3, {}),
     ("topk", {}, 4, {"optimizer": "adamw"}),
     ("lgc", {}, 2, {}),
+    ("lgc", {}, 4, {}),
     ("lgc", {"warmup_codec": "terngrad"}, 2, {}),
     ("lgc", {"warmup_steps": 0, "density_warmup": 4}, 2, {}),
     ("lgc", {"refit_every": 4}, 10, {"optimizer": "adamw"}),
