@@ -25,11 +25,18 @@ __all__ = ["ResidualMemory"]
 
 
 class ResidualMemory:
-    """Per-parameter residuals of one rank."""
+    """Per-parameter residuals of one rank.
 
-    def __init__(self) -> None:
+    Args:
+        revertible: keep what each step's commits and drops replace until :meth:`end_step`, so
+            that :meth:`revert_step` can take them back (the hook's ``nonfinite="skip"``); without
+            it the replaced residuals are let go at once.
+    """
+
+    def __init__(self, revertible: bool = True) -> None:
         self._current: dict[str, Tensor] = {}
         self._pending: dict[str, Tensor] = {}
+        self.revertible = revertible
         # what this step's commits and drops replaced (None: nothing), for revert_step
         self._before_step: dict[str, Tensor | None] = {}
         self._lock = threading.Lock()  # decode callbacks of different buckets run on comm threads
@@ -78,7 +85,8 @@ class ResidualMemory:
             for k in keys:
                 r = self._pending.pop(k, None)
                 if r is not None:
-                    self._before_step.setdefault(k, self._current.get(k))
+                    if self.revertible:
+                        self._before_step.setdefault(k, self._current.get(k))
                     self._current[k] = r
 
     def mask_pending(self, key: str, keep: Tensor) -> None:
@@ -100,7 +108,9 @@ class ResidualMemory:
         with self._lock:
             for k in keys:
                 if k in self._current:
-                    self._before_step.setdefault(k, self._current.pop(k))
+                    dropped = self._current.pop(k)
+                    if self.revertible:
+                        self._before_step.setdefault(k, dropped)
 
     def end_step(self) -> None:
         """Every bucket of the step has settled: what it committed is final, and the residuals it

@@ -52,6 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="mlp", choices=MODELS)
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default: the model's benchmark batch)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds for the whole run")
+    p.add_argument(
+        "--nonfinite",
+        default="zero",
+        choices=["zero", "skip"],
+        help="the hook's policy (make_comm_hook's default, zero; skip, the strategy's, holds a step's "
+        "replaced residuals until it has settled)",
+    )
     p.add_argument("--out", default=str(paths.results_dir("memory")), help="output directory (default: %(default)s)")
 
 
@@ -87,7 +94,7 @@ def _rank(rank: int, world: int, init_file: str, args: argparse.Namespace, optio
         torch.manual_seed(0)  # the same model on every rank
         ddp = DistributedDataParallel(build_model(args.model))
         # fallback off: on this machine's loopback it would send plainly and leave the codec idle
-        state, hook = make_comm_hook(args.codec, ddp, fallback=False, **options)
+        state, hook = make_comm_hook(args.codec, ddp, fallback=False, nonfinite=args.nonfinite or "zero", **options)
         ddp.register_comm_hook(state, hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
         source, _ = batches(args.model, args.batch_size or DEFAULT_BATCH[args.model], fresh=True, seed=rank << 32)
@@ -122,7 +129,8 @@ def run(args: argparse.Namespace, options: dict[str, Any]) -> dict[int, dict[str
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     # only what a rank reads: the parsed arguments also hold the verb's module, which does not pickle
-    rank_args = argparse.Namespace(**{k: getattr(args, k) for k in ("codec", "model", "batch_size", "steps", "start")})
+    keys = ("codec", "model", "batch_size", "steps", "start", "nonfinite")
+    rank_args = argparse.Namespace(**{k: getattr(args, k, None) for k in keys})
     with tempfile.TemporaryDirectory(prefix="gradcomp-memory-") as tmp:
         init_file = str(Path(tmp) / "store")
         procs = [
