@@ -122,6 +122,13 @@ def test_a_skipped_step_takes_back_what_its_finite_buckets_committed():
     memory.end_step()
     memory.revert_step()
     assert torch.equal(memory.get("a"), torch.zeros(3))
+    # nonfinite="zero": the replaced residuals are let go at once, and nothing can be taken back
+    plain = ResidualMemory(revertible=False)
+    plain.set("a", torch.ones(3))
+    plain.stage("a", torch.zeros(3))
+    plain.commit(["a"])
+    plain.revert_step()
+    assert torch.equal(plain.get("a"), torch.zeros(3))
 
 
 def _nan_in_one_bucket(rank: int, world: int, nonfinite: str) -> dict:
