@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -428,6 +429,13 @@ def _previous_options(codec: str) -> dict:
     return {**short_options(codec), **PREVIOUS_OPTIONS.get(codec, {})}
 
 
+def _resume_run(codec: str, extra: dict | None = None, model: dict | None = None, **run: Any) -> dict:
+    """A resume test's run of ``codec``: its short schedule (plus ``extra``), STEPS steps, the
+    test model on per-step data with momentum 0.9 (plus ``model``), and ``run``'s other keys."""
+    model = {"step_data": True, "momentum": 0.9, **(model or {})}
+    return {"codec": codec, "codec_options": short_options(codec, extra), "max_steps": STEPS, "model": model, **run}
+
+
 def _interrupted(run: dict, ckpt_dir: Path, cut: int = CUT) -> list[dict]:
     """``run`` uninterrupted, writing a checkpoint at step ``cut`` into ``ckpt_dir``, and ``run``
     resumed from that checkpoint."""
@@ -444,9 +452,7 @@ def resume_results(tmp_path_factory) -> dict[str, list[list[dict]]]:
     for c in present:
         d = tmp_path_factory.mktemp(f"resume-{c}")
         dirs[c] = d
-        opts = short_options(c)
-        common = {"codec": c, "codec_options": opts, "max_steps": STEPS, "model": {"step_data": True, "momentum": 0.9}}
-        runs.extend(_interrupted(common, d))
+        runs.extend(_interrupted(_resume_run(c), d))
     previous = [c for c in PREVIOUS_CODECS if c in present]
     for c in previous:
         # those checkpoints were written without the level controller, which lgc now attaches by
@@ -607,9 +613,7 @@ def test_resume_with_a_bucket_a_layer(tmp_path) -> None:
     exact = [("lgc", {"refit_every": 4}), ("gradiveq", {}), ("topk", {}), ("fft", {}), ("iwp", {"scope": "layer"})]
     runs = []
     for i, (codec, extra) in enumerate([*exact, ("iwp", {})]):
-        common = {"codec": codec, "codec_options": short_options(codec, extra), "max_steps": STEPS}
-        common.update(model={"step_data": True, "momentum": 0.9}, ddp={"bucket_cap_mb": 0.001})
-        runs.extend(_interrupted(common, tmp_path / str(i)))
+        runs.extend(_interrupted(_resume_run(codec, extra, ddp={"bucket_cap_mb": 0.001}), tmp_path / str(i)))
     results = _lightning(runs)
     for i, (codec, _) in enumerate(exact):
         _assert_continues_exactly(results[2 * i], results[2 * i + 1], codec)
@@ -645,9 +649,7 @@ RESUME_AT = [
 def test_resume_at_every_stage_continues_exactly(tmp_path) -> None:
     runs = []
     for i, (codec, extra, cut, model) in enumerate(RESUME_AT):
-        common = {"codec": codec, "codec_options": short_options(codec, extra), "max_steps": STEPS}
-        common["model"] = {"step_data": True, "momentum": 0.9, **model}
-        runs.extend(_interrupted(common, tmp_path / str(i), cut))
+        runs.extend(_interrupted(_resume_run(codec, extra, model), tmp_path / str(i), cut))
     results = _lightning(runs)
     for i, (codec, extra, cut, model) in enumerate(RESUME_AT):
         _assert_continues_exactly(results[2 * i], results[2 * i + 1], f"{codec} {extra} {model} at {cut}", cut)
@@ -683,9 +685,7 @@ def test_lgc_resumed_between_two_refits_of_its_levels_fits_what_it_would_have(tm
     # step 6, before the checkpoint at step CUT, and the resumed run must fit on it too: only rank
     # 0 keeps these messages, so the checkpoint (which rank 0 writes) holds them and only rank 0
     # loads them.
-    opts = short_options("lgc", {"refit_every": 4})
-    common = {"codec": "lgc", "codec_options": opts, "max_steps": STEPS, "model": {"step_data": True, "momentum": 0.9}}
-    full, resumed = _lightning(_interrupted(common, tmp_path))
+    full, resumed = _lightning(_interrupted(_resume_run("lgc", {"refit_every": 4}), tmp_path))
     saved = torch.load(tmp_path / f"step={CUT}.ckpt", weights_only=True)["gradcomp"]["shared"]["codec"]
     assert saved["refits"] == 0 and {d["step"] for d in saved["refit_samples"]} == set(range(6, CUT))
     _assert_continues_exactly(full, resumed, "lgc")
@@ -703,9 +703,8 @@ def test_lgc_resumed_inside_stage_2_fits_what_it_would_have(tmp_path, code: str,
     # The levels resume inside stage 2 (the checkpoint holds steps 5 and 6). The autoencoder
     # resumes as stage 2 starts, on a support of 10 % so that both layers train it: it takes its
     # batches in the order of the first step's samples, and fitted other weights before.
-    opts = short_options("lgc", {"code": code, "ae_train_steps": 5, **extra})
-    common = {"codec": "lgc", "codec_options": opts, "max_steps": STEPS, "model": {"step_data": True, "momentum": 0.9}}
-    full, resumed = _lightning(_interrupted(common, tmp_path))
+    run = _resume_run("lgc", {"code": code, "ae_train_steps": 5, **extra})
+    full, resumed = _lightning(_interrupted(run, tmp_path))
     saved = torch.load(tmp_path / f"step={CUT}.ckpt", weights_only=True)["gradcomp"]["shared"]["codec"]
     assert not saved["ae_trained"] and {d["step"] for d in saved["samples"]} == set(range(extra["warmup_steps"], CUT))
     _assert_continues_exactly(full, resumed, "lgc")

@@ -94,7 +94,7 @@ def _rank(rank: int, world: int, init_file: str, args: argparse.Namespace, optio
         torch.manual_seed(0)  # the same model on every rank
         ddp = DistributedDataParallel(build_model(args.model))
         # fallback off: on this machine's loopback it would send plainly and leave the codec idle
-        state, hook = make_comm_hook(args.codec, ddp, fallback=False, nonfinite=args.nonfinite or "zero", **options)
+        state, hook = make_comm_hook(args.codec, ddp, fallback=False, nonfinite=args.nonfinite, **options)
         ddp.register_comm_hook(state, hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
         source, _ = batches(args.model, args.batch_size or DEFAULT_BATCH[args.model], fresh=True, seed=rank << 32)
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace, options: dict[str, Any]) -> dict[int, dict[str
     queue = ctx.Queue()
     # only what a rank reads: the parsed arguments also hold the verb's module, which does not pickle
     keys = ("codec", "model", "batch_size", "steps", "start", "nonfinite")
-    rank_args = argparse.Namespace(**{k: getattr(args, k, None) for k in keys})
+    rank_args = argparse.Namespace(**{k: getattr(args, k) for k in keys})
     with tempfile.TemporaryDirectory(prefix="gradcomp-memory-") as tmp:
         init_file = str(Path(tmp) / "store")
         procs = [

@@ -86,8 +86,9 @@ class CodecHookState:
         self.fallback = FallbackPolicy(enabled=False if isinstance(codec, BucketRouter) else fallback)
         self.step = 0
         # a step skipped as a whole takes back what its finite buckets committed
-        self.memory = ResidualMemory(revertible=nonfinite == "skip")
-        self.momentum_buffers = ResidualMemory(revertible=nonfinite == "skip")  # momentum correction's, per rank
+        revertible = nonfinite == "skip"
+        self.memory = ResidualMemory(revertible=revertible)
+        self.momentum_buffers = ResidualMemory(revertible=revertible)  # momentum correction's, per rank
         self.residual_lr: dict[str, float] = {}  # lr_scaled_feedback: the rate each residual is scaled to
         self.second_moments: dict[str, Tensor] = {}  # precondition: the optimizer's exp_avg_sq by key
         self.stats = StatsAccumulator()
