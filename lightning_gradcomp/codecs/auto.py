@@ -67,6 +67,7 @@ from lightning_gradcomp.codecs.base import (
     CodecOptions,
     HarnessOptions,
     LearnedState,
+    MultiRound,
     check_fraction,
     check_positive_float,
     check_positive_int,
@@ -457,6 +458,12 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
             return f.value()
 
         return fut.then(done)
+
+    def end_step(self, discarded: bool) -> None:
+        """Passed on to the arms that keep state of their own (``gradiveq``'s leader bases)."""
+        for arm in self.arms:
+            if isinstance(arm, MultiRound):
+                arm.end_step(discarded)
 
     def on_step_end(self, step: int) -> None:
         """After the step's futures completed (the hook calls it at the next step's first bucket,

@@ -143,6 +143,9 @@ class RoundContext:
             with :meth:`record_bucket`.
         discard: ``discard(buf)`` zeroes the bucket, drops this step's staged residuals and asks for
             the step to be skipped (a non-finite gradient on some rank); it returns ``buf``.
+        revertible: a step with a non-finite bucket is skipped as a whole (``nonfinite="skip"``):
+            a codec that changes its own state for a bucket keeps what it replaced until
+            :meth:`MultiRound.end_step`, which may have to put it back.
     """
 
     step: int
@@ -150,6 +153,7 @@ class RoundContext:
     sample: bool = False
     record: Callable[..., None] = lambda **stats: None
     discard: Callable[[Tensor], Tensor] = lambda buf: buf.zero_()
+    revertible: bool = False
 
     def record_bucket(self, buf: Tensor, collective: str, nbytes: int, **more: Any) -> None:
         """Record the bucket ``buf`` as every path does (:func:`lightning_gradcomp.stats.record_bucket`):

@@ -130,6 +130,12 @@ class MultiRound:
         ``flag`` is a one-element fp32 tensor, 1.0 when this rank's bucket is not finite."""
         raise NotImplementedError(f"codec {self.name!r} declares collective 'custom' but has no protocol")
 
+    def end_step(self, discarded: bool) -> None:
+        """Every bucket of the step has settled. ``discarded``: the step is skipped (a non-finite
+        bucket on some rank under ``nonfinite="skip"``), so whatever the codec changed for its
+        finite buckets is put back as it was before the step; the optimizer does not step either.
+        Called on every rank alike, once a step or more (again it changes nothing)."""
+
 
 class BucketRouter:
     """Extension: a codec that hands each whole bucket to one of several codecs it holds (``auto``).
@@ -144,6 +150,9 @@ class BucketRouter:
         name; ``compress``: whether the hook would compress this step) and return the future of
         the averaged bucket."""
         raise NotImplementedError
+
+    def end_step(self, discarded: bool) -> None:
+        """As :meth:`MultiRound.end_step`, for the codecs the router holds."""
 
 
 @runtime_checkable

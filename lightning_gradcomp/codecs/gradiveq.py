@@ -344,6 +344,8 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
         # resumed inside a window, or at its end before the fit, fits on what it would have)
         self._samples: dict[str, list[Tensor]] = {}
         self._sample_lock = threading.Lock()
+        # nonfinite="skip": the bases a leader's fit replaced this step, for end_step
+        self._before_step: dict[str, Any] | None = None
 
     # picklable (spawned ranks, checkpoints of the strategy): the lock is recreated
     def __getstate__(self) -> dict[str, Any]:
@@ -575,9 +577,10 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
             )
         return b, _EXACT_BITS // b
 
-    def _refit_from_leader(self, layers: list[tuple[str, Tensor, Tensor]], step: int) -> int:
+    def _refit_from_leader(self, layers: list[tuple[str, Tensor, Tensor]], step: int, revertible: bool = False) -> int:
         """``"leader"`` source: the leader fits each layer's basis on its own compensated gradient and
-        broadcasts them (one message); every rank installs the same bases. Returns the bytes sent."""
+        broadcasts them (one message); every rank installs the same bases. Returns the bytes sent.
+        ``revertible``: the bases replaced are kept until :meth:`end_step`."""
         d, kk = self.options.slice_dim, min(self.num_components, self.options.slice_dim)
         fitting = [(key, x) for key, x, _ in layers if x.numel() >= d]
         due = (step - self.harness.start_step) % self.options.refit_every == 0
@@ -606,6 +609,8 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
                 msg[i] = torch.where(finite[i], _directions(vecs[i], kk), previous)
         if world > 1:
             self.context.broadcast(msg, leader)
+        if revertible:  # the fit is installed now, but the step may yet be skipped
+            self._keep_for_revert([key for key, _ in fitting])
         for (key, _), u in zip(fitting, msg):
             self._u32[key] = u.clone()
             self._mu32[key] = torch.zeros(d, dtype=torch.float32, device=device)
@@ -617,13 +622,37 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
         self._last_fit_step = int(step)
         return msg.numel() * msg.element_size() if world > 1 else 0
 
+    def _keep_for_revert(self, keys: list[str]) -> None:
+        """Keep the bases of ``keys`` that a fit is about to replace (they are replaced, never
+        written in place) and the fit count, once a step."""
+        if self._before_step is None:
+            self._before_step = {"fits": self._fits, "last_fit_step": self._last_fit_step, "layers": {}}
+        kept = self._before_step["layers"]
+        for key in keys:
+            if key not in kept:
+                kept[key] = tuple(d.get(key) for d in (self._u32, self._mu32, self._bases, self._means))
+
+    def end_step(self, discarded: bool) -> None:
+        """A discarded step (``nonfinite="skip"``, a NaN on another rank than the leader) puts back
+        the bases its fits replaced: the next step fits again from where this one started."""
+        before, self._before_step = self._before_step, None
+        if not discarded or before is None:
+            return
+        self._fits, self._last_fit_step = before["fits"], before["last_fit_step"]
+        for key, kept in before["layers"].items():
+            for memory, value in zip((self._u32, self._mu32, self._bases, self._means), kept):
+                if value is None:
+                    memory.pop(key, None)
+                else:
+                    memory[key] = value
+
     def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], rc: RoundContext) -> Prepared:
         """``"leader"`` source: the bases of this step first (a broadcast, see
         :meth:`_refit_from_leader`). With quantization: one all-reduce(MAX) of ``max |c|`` per
         layer gives the shared scales, which ``encode`` gets as ``prepared``."""
         step = rc.step
         self._current_step = max(self._current_step, step)
-        sent = self._refit_from_leader(layers, step) if self.options.basis_source == "leader" else 0
+        sent = self._refit_from_leader(layers, step, rc.revertible) if self.options.basis_source == "leader" else 0
         if not self.options.quant_levels:
             return Prepared(sent)
         keys, coefs, amax = [], [], []

@@ -503,6 +503,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         self._warmup_codec = self._make_warmup_codec()
         self._ternary = self._make_ternary()
         self._handoff: dict[str, Tensor] = {}  # its error memory at the end of stage 1, per layer
+        self._handoff_spans: dict[int, list] = {}  # the buckets handed off this step (end_step)
         self.last_timing: dict[str, float] = {}
 
     def check_harness(self, harness: HarnessOptions) -> None:
@@ -610,16 +611,33 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         base = buf.data_ptr()
         spans = [(k, (g.data_ptr() - base) // buf.element_size(), g.numel()) for k, g, _ in layers]
         index = bucket.index()
+        self._handoff_spans[index] = spans
 
         def hand_off(f: torch.futures.Future) -> Tensor:
             out = f.value()
-            err = self._warmup_codec.pop_error(index)
-            if err is not None:
-                for k, start, n in spans:
-                    self._handoff[k] = err[start : start + n].clone()
+            self._hand_off(index, spans)
             return out
 
         return fut.then(hand_off)
+
+    def _hand_off(self, index: int, spans: list) -> None:
+        err = self._warmup_codec.pop_error(index)
+        for k, start, n in spans:
+            if err is None:
+                self._handoff.pop(k, None)
+            else:
+                self._handoff[k] = err[start : start + n].clone()
+
+    def end_step(self, discarded: bool) -> None:
+        """With a PowerSGD stage 1: a discarded step puts PowerSGD's state back, and if it was the
+        last step of stage 1, what stage 2 takes over is PowerSGD's error from before the step."""
+        if self._warmup_codec is None:
+            return
+        restored = self._warmup_codec.end_step(discarded)
+        spans, self._handoff_spans = self._handoff_spans, {}
+        for index in restored:  # a non-finite bucket went through no PowerSGD: it handed off its old error
+            if index in spans:
+                self._hand_off(index, spans[index])
 
     def _device(self) -> torch.device:
         """The device of the AE (the codec context's once set up)."""

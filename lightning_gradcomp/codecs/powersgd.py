@@ -20,6 +20,10 @@ is returned as is (its arithmetic runs on the GPU, whichever thread launches it)
 
 The non-finite flag needs its own tiny all-reduce here (one extra round trip per bucket), because
 torch's hook would otherwise fold a NaN into its error-feedback memory before anyone could know.
+A step skipped for another bucket's NaN (``nonfinite="skip"``) leaves torch's state as it was
+before the step: the buckets that went through torch's hook first keep what it replaced (the old
+error tensor, copies of P and Q, the iteration and the generator of fresh Qs) until the step ends,
+and :meth:`PowerSGDCodec.end_step` puts them back.
 
 The rank is adjustable (:class:`~lightning_gradcomp.codecs.base.AdjustableLevel`): at level ``L``
 it is ``round((4 r)^(1-L) * r^L)`` for the configured rank ``r``, so level 1 is ``r`` and level 0
@@ -147,6 +151,8 @@ class PowerSGDCodec(AdjustableLevel, MultiRound, Codec):
         self._torch_state: torch_powersgd.PowerSGDState | None = None
         self._pending_state: dict[str, Any] | None = None
         self._pending_rank_state: dict[str, Tensor] | None = None
+        # nonfinite="skip": what torch's hook replaced during this step, per bucket, for end_step
+        self._before_step: dict[str, Any] | None = None
 
     def check_harness(self, harness: HarnessOptions) -> None:
         if harness.error_feedback:
@@ -230,6 +236,8 @@ class PowerSGDCodec(AdjustableLevel, MultiRound, Codec):
             old = self._torch_state.error_dict.get(bucket.index()) if feedback else None
             ref = buf.double() if old is None or old.shape != buf.shape else buf.double() + old.double()
             ref_sq = ref.pow(2).sum()  # read with the statistics, not here
+        if rc.revertible:
+            self._keep_for_revert(bucket.index())
         if dist.get_backend(rc.comm.group) == "gloo":  # see the module docstring
             with _blocking_collectives():
                 fut = torch_powersgd.powerSGD_hook(self._torch_state, bucket)
@@ -247,6 +255,39 @@ class PowerSGDCodec(AdjustableLevel, MultiRound, Codec):
             return out
 
         return fut.then(finish)
+
+    def _keep_for_revert(self, index: int) -> None:
+        """Keep what torch's hook is about to change for bucket ``index``: it assigns a new error
+        tensor (the old one is kept as it is) and writes P and Q in place (they are copied)."""
+        s = self._torch_state
+        if self._before_step is None:
+            self._before_step = {"iter": s.iter, "rng": s.rng.get_state(), "buckets": {}}
+        kept = self._before_step["buckets"]
+        if index not in kept:
+            p, q = s.p_memory_dict.get(index), s.q_memory_dict.get(index)
+            kept[index] = (
+                s.error_dict.get(index),
+                None if p is None else p.clone(),
+                None if q is None else q.clone(),
+            )
+
+    def end_step(self, discarded: bool) -> list[int]:
+        """A discarded step puts back the error, P and Q of every bucket torch's hook compressed in
+        it, and the iteration and generator: the next step runs as if this one had not been.
+        Returns the indices of the buckets put back."""
+        before, self._before_step = self._before_step, None
+        if not discarded or before is None:
+            return []
+        s = self._torch_state
+        s.iter = before["iter"]
+        s.rng.set_state(before["rng"])
+        for index, kept in before["buckets"].items():
+            for memory, value in zip((s.error_dict, s.p_memory_dict, s.q_memory_dict), kept):
+                if value is None:
+                    memory.pop(index, None)
+                else:
+                    memory[index] = value
+        return list(before["buckets"])
 
     def pop_error(self, bucket_index: int) -> Tensor | None:
         """Take this rank's error-feedback memory of a bucket out of torch's state (flat, in the

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gradcomp.codecs.base import BucketRouter, Codec, LearnedState, RoundContext
+from lightning_gradcomp.codecs.base import BucketRouter, Codec, LearnedState, MultiRound, RoundContext
 from lightning_gradcomp.fallback import FallbackPolicy
 from lightning_gradcomp.hook import allgather, allreduce, custom, dense
 from lightning_gradcomp.hook.consistency import check_codec_consistency, group_device, make_context
@@ -299,12 +299,14 @@ class CodecHookState:
             skip, self.skip_requested = self.skip_requested, False
         # called after backward, when every bucket has settled: the residuals a kept step replaced
         # are let go now rather than at the next step's first bucket (after its forward)
-        self._end_step()
+        self._end_step(self._step_discarded)
         return skip
 
-    def _end_step(self) -> None:
+    def _end_step(self, discarded: bool) -> None:
         self.memory.end_step()
         self.momentum_buffers.end_step()
+        if isinstance(self.codec, (MultiRound, BucketRouter)):  # its own memory (PowerSGD's, bases)
+            self.codec.end_step(discarded)
 
     def note_nonfinite(self) -> None:
         with self._lock:
@@ -371,6 +373,7 @@ class CodecHookState:
             sample=step % self.stats_every == 0,
             record=self.stats.add,
             discard=lambda buf: self.settle(buf, False, keys, momentum_keys),
+            revertible=self.nonfinite == "skip",
         )
 
     # ----------------------------------------------------------------------------------------------
@@ -412,9 +415,10 @@ class CodecHookState:
         # the previous step's futures have all completed (DDP waited for them), so step-end
         # work (refitting a basis, training an autoencoder) may run collectives here safely
         self._step_end_pending = False
-        # the previous step's buckets have all settled: what they committed stays
-        self._step_discarded = False
-        self._end_step()
+        # the previous step's buckets have all settled: what they committed stays, unless the
+        # step was discarded (consume_skip() has usually settled it already; again is harmless)
+        discarded, self._step_discarded = self._step_discarded, False
+        self._end_step(discarded)
         fallback = self.fallback
         timing = fallback.wants_timing()
         step_end_start = fallback.clock.mark() if timing else 0.0
