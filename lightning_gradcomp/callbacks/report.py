@@ -160,6 +160,9 @@ class CompressionReport(Callback):
             "codec": codec.name if codec is not None else None,
             "codec_options": dict(codec.config()) if codec is not None else {},
             "world_size": trainer.world_size,
+            "num_nodes": trainer.num_nodes,
+            # how Lightning found the ranks: LightningEnvironment, TorchElasticEnvironment, SLURMEnvironment, ...
+            "cluster_environment": type(getattr(strategy, "cluster_environment", None)).__name__,
             "steps": trainer.global_step,
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "test/"))},
             "bytes_sent": float(totals.wire_bytes) if totals else 0.0,
