@@ -80,6 +80,63 @@ def test_codec_runs_on_cpu_and_checkpoint_holds_every_rank(tmp_path):
     assert any(not torch.equal(r0[k], r1[k]) for k in r0)  # residuals differ per rank
 
 
+class ManualClassifier(TinyClassifier):
+    """Manual optimization, as Lightning documents it: ``manual_backward``, then the optimizer's
+    ``step``. The loss is NaN on rank 1 at step ``BAD_MANUAL``: the strategy skips that step."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__(out_dir)
+        self.automatic_optimization = False
+        self.weights_after: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        if self.global_step == BAD_MANUAL and self.global_rank == 1:
+            loss = loss * float("nan")
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        self.weights_after.append(float(sum(p.detach().double().sum() for p in self.parameters())))
+
+    def configure_optimizers(self):
+        # weight decay moves the weights even on a zeroed gradient: only a skipped step leaves them
+        return torch.optim.SGD(self.parameters(), lr=0.1, weight_decay=0.1)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        state = self.trainer.strategy.hook_state
+        facts = {"weights_after": self.weights_after, "nonfinite": state.nonfinite_steps, "compressed": state.step}
+        with open(os.path.join(self.out_dir, f"manual{self.global_rank}.json"), "w") as f:
+            json.dump(facts, f)
+
+
+BAD_MANUAL = 5
+
+
+def test_manual_optimization_compresses_and_skips_a_non_finite_step(tmp_path):
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=CompressedDDPStrategy(codec="topk", codec_options={"ratio": 0.05}, start_method="spawn"),
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(ManualClassifier(str(tmp_path)))
+    ranks = [json.loads((tmp_path / f"manual{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["weights_after"] == ranks[1]["weights_after"]  # identical at every step
+    for r in ranks:
+        w = r["weights_after"]  # w[s]: after optimizer step s
+        assert len(w) == 8 and r["nonfinite"] == 1 and r["compressed"] == 8
+        assert w[BAD_MANUAL] == w[BAD_MANUAL - 1] and w[BAD_MANUAL + 1] != w[BAD_MANUAL]
+    assert float(trainer.callback_metrics["gradcomp/compression_ratio"]) > 5
+
+
 class SlowIdentity(gc.Codec):
     """A lossless codec that costs 40 ms a layer: compression can never pay for it."""
 
