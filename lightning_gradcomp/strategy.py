@@ -40,6 +40,10 @@ def _is_adaptive(param_group: dict[str, Any]) -> bool:
     return "betas" in param_group
 
 
+#: how Lightning's DDPStrategy starts the local processes (its ``start_method``)
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
 class CompressedDDPStrategy(DDPStrategy):
     """Distributed data parallel training with compressed gradient communication.
 
@@ -118,8 +122,14 @@ class CompressedDDPStrategy(DDPStrategy):
                 )
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {list(NONFINITE_POLICIES)}, got {nonfinite!r}")
-        if not isinstance(stats_every, int) or stats_every < 1:
+        if isinstance(stats_every, bool) or not isinstance(stats_every, int) or stats_every < 1:
             raise ValueError(f"stats_every must be an integer >= 1, got {stats_every!r}")
+        if fallback is not None and not isinstance(fallback, bool):
+            raise ValueError(f"fallback must be True, False or None (the environment decides), got {fallback!r}")
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {list(START_METHODS)}, got {start_method!r}")
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise ValueError(f"timeout must be a datetime.timedelta or None, got {timeout!r}")
         self.codec = resolve_codec(codec, codec_options)
         # the options a user set (all of them for a codec object): adaptive_optimizer_defaults
         # replace only the others

@@ -35,6 +35,23 @@ def test_unknown_codec_names_the_valid_choices():
         ("topk", {"min_numel": -5}, "min_numel"),
         ("topk", {"not_an_option": 1}, "Valid options: .*ratio"),
         ("none", {"error_feedback": True}, "drops nothing"),
+        # a string from a YAML or JSON file must not pass as a switch: bool("false") is True
+        ("powersgd", {"warm_start": "false"}, "warm_start must be True or False, got 'false'"),
+        ("powersgd", {"use_error_feedback": 0}, "use_error_feedback must be True or False"),
+        ("gradiveq", {"center": "yes"}, "center must be True or False"),
+        ("lgc", {"ae_error_feedback": None}, "ae_error_feedback must be True or False"),
+        ("topk", {"error_feedback": "true"}, "error_feedback must be True or False"),
+        ("topk", {"momentum": 0.9, "nesterov": 1}, "nesterov must be True or False"),
+        # nor a switch as a number: True would be a ratio of 1
+        ("topk", {"ratio": True}, r"ratio must be in \(0, 1\], got True"),
+        ("lgc", {"max_recon_error": True}, "max_recon_error must be a number > 0"),
+        ("lgc", {"ae_time_budget_s": True}, "ae_time_budget_s must be a number > 0"),
+        ("topk", {"ratio": "0.01"}, "ratio must be in"),
+        # seeds: integers every generator takes (numpy's PowerSGD generator: below 2**32)
+        ("topk", {"seed": -1}, r"seed must be an integer in \[0, 2\*\*32\), got -1"),
+        ("fft", {"seed": 1.5}, "seed must be an integer"),
+        ("powersgd", {"seed": 2**32}, "seed must be an integer"),
+        ("iwp", {"seed": True}, "seed must be an integer"),
     ],
 )
 def test_invalid_options_fail_fast(name, options, match):
@@ -56,6 +73,15 @@ def test_strategy_rejects_foreign_hooks_and_bad_policies():
             CompressedDDPStrategy(codec="topk", **{option: value})
     with pytest.raises(ValueError, match="nonfinite must be one of"):
         CompressedDDPStrategy(codec="topk", nonfinite="ignore")
+    # what Lightning would only find out when it starts the processes, or never (a string switch)
+    with pytest.raises(ValueError, match="fallback must be True, False or None"):
+        CompressedDDPStrategy(codec="topk", fallback="false")
+    with pytest.raises(ValueError, match=r"start_method must be one of \['popen', 'spawn', 'fork', 'forkserver'\]"):
+        CompressedDDPStrategy(codec="topk", start_method="thread")
+    with pytest.raises(ValueError, match="timeout must be a datetime.timedelta or None"):
+        CompressedDDPStrategy(codec="topk", timeout=30)
+    with pytest.raises(ValueError, match="stats_every must be an integer >= 1"):
+        CompressedDDPStrategy(codec="topk", stats_every=True)
     with pytest.raises(ValueError, match="codec_options are only used with a codec name"):
         CompressedDDPStrategy(codec=make_codec("topk"), codec_options={"ratio": 0.1})
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from lightning_gradcomp import CompressedDDPStrategy, make_codec
-from lightning_gradcomp.callbacks import AccuracyDropRollback, ThetaDecay
+from lightning_gradcomp.callbacks import AccuracyDropRollback, CompressionMonitor, CompressionReport, ThetaDecay
 from lightning_gradcomp.callbacks.theta_decay import theta_at
 
 
@@ -43,6 +43,14 @@ def test_theta_schedules_reach_their_documented_values():
         (AccuracyDropRollback, {"tolerance": -1}, "tolerance"),
         (AccuracyDropRollback, {"factor": 1.0}, "factor"),
         (AccuracyDropRollback, {"patience": 0}, "patience"),
+        (AccuracyDropRollback, {"tolerance": True}, "tolerance"),
+        (AccuracyDropRollback, {"min_level": True}, "min_level"),
+        (AccuracyDropRollback, {"monitor": None}, "monitor must be a metric's name"),
+        (CompressionReport, {"monitor": 3}, "monitor must be a metric's name"),
+        (CompressionReport, {"metrics_json": True}, "metrics_json must be a path"),
+        # a string from a YAML file is not a switch: bool("false") is True
+        (CompressionReport, {"validate_last_step": "false"}, "validate_last_step must be True or False"),
+        (CompressionMonitor, {"prog_bar": "false"}, "prog_bar must be True or False"),
     ],
 )
 def test_invalid_arguments_name_the_option(cls, kwargs, option):

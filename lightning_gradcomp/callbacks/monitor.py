@@ -8,6 +8,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_gradcomp.codecs.options import check_bool
+
 __all__ = ["CompressionMonitor"]
 
 
@@ -39,7 +41,7 @@ class CompressionMonitor(Callback):
     """
 
     def __init__(self, prog_bar: bool = True) -> None:
-        self.prog_bar = prog_bar
+        self.prog_bar = check_bool("prog_bar", prog_bar)
 
     @override
     def on_train_batch_end(

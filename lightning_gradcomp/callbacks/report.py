@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
 from lightning_gradcomp.callbacks.adaptive import AdaptiveCompression
+from lightning_gradcomp.codecs.options import check_bool
 
 __all__ = ["CompressionReport"]
 
@@ -58,9 +59,13 @@ class CompressionReport(Callback):
     def __init__(
         self, monitor: str | None = None, metrics_json: str | None = None, validate_last_step: bool = True
     ) -> None:
+        if monitor is not None and not isinstance(monitor, str):
+            raise ValueError(f"monitor must be a metric's name (a string) or None, got {monitor!r}")
+        if metrics_json is not None and not isinstance(metrics_json, (str, os.PathLike)):
+            raise ValueError(f"metrics_json must be a path or None, got {metrics_json!r}")
         self.monitor = monitor
         self.metrics_json = metrics_json
-        self.validate_last_step = validate_last_step
+        self.validate_last_step = check_bool("validate_last_step", validate_last_step)
         self.history: list[dict[str, Any]] = []
         self._started: float | None = None
         self._last_step = float("inf")

@@ -71,15 +71,19 @@ class AccuracyDropRollback(Callback):
         min_level: float = 0.0,
         max_rollbacks: int = 10,
     ) -> None:
+        if not isinstance(monitor, str):
+            raise ValueError(f"monitor must be a metric's name (a string), got {monitor!r}")
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be one of ['min', 'max'], got {mode!r}")
-        if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance >= 0):
+        if isinstance(tolerance, bool) or not (
+            isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance >= 0
+        ):
             raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
             raise ValueError(f"patience must be an integer >= 1, got {patience!r}")
-        if not (isinstance(factor, (int, float)) and 0 <= factor < 1):
+        if isinstance(factor, bool) or not (isinstance(factor, (int, float)) and 0 <= factor < 1):
             raise ValueError(f"factor must be in [0, 1), got {factor!r}")
-        if not (isinstance(min_level, (int, float)) and 0 <= min_level <= 1):
+        if isinstance(min_level, bool) or not (isinstance(min_level, (int, float)) and 0 <= min_level <= 1):
             raise ValueError(f"min_level must be in [0, 1], got {min_level!r}")
         if isinstance(max_rollbacks, bool) or not isinstance(max_rollbacks, int) or max_rollbacks < 0:
             raise ValueError(f"max_rollbacks must be an integer >= 0, got {max_rollbacks!r}")

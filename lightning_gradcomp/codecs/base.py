@@ -50,11 +50,13 @@ from lightning_gradcomp.codecs.extensions import (  # noqa: F401
 from lightning_gradcomp.codecs.options import (  # noqa: F401
     CodecOptions,
     HarnessOptions,
+    check_bool,
     check_choice,
     check_fraction,
     check_positive_float,
     check_positive_int,
     check_run_steps,
+    check_seed,
     harness_defaults_that_apply,
     run_steps,
 )
@@ -77,6 +79,8 @@ __all__ = [
     "RoundContext",
     "EncodeResult",
     "check_fraction",
+    "check_bool",
+    "check_seed",
     "check_positive_int",
     "check_choice",
     "check_positive_float",

@@ -65,6 +65,7 @@ from lightning_gradcomp.codecs.base import (
     check_choice,
     check_fraction,
     check_positive_int,
+    check_seed,
 )
 from lightning_gradcomp.codecs.bits import codes_nbytes, pack_codes, pack_mask, packed_nbytes, unpack_codes, unpack_mask
 from lightning_gradcomp.codecs.positions import positions_of_ones
@@ -99,7 +100,7 @@ class FFTOptions(CodecOptions):
             range_float(self.bits, self.exponent_bits, None, self.rounding)  # validates the format
         check_choice("positions", self.positions, POSITIONS)
         check_choice("selection", self.selection, SELECTIONS)
-        self._set("seed", int(self.seed))
+        self._set("seed", check_seed("seed", self.seed))
 
 
 @register_codec("fft")

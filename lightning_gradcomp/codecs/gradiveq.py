@@ -98,10 +98,12 @@ from lightning_gradcomp.codecs.base import (
     MultiRound,
     Prepared,
     RoundContext,
+    check_bool,
     check_choice,
     check_fraction,
     check_positive_int,
     check_run_steps,
+    check_seed,
     geometric_level,
     run_steps,
 )
@@ -245,7 +247,7 @@ class GradiVeQOptions(CodecOptions):
             raise ValueError("variance_target needs basis_source='aggregate' (the leader keeps a fixed k)")
         if self.basis == "shared" and self.basis_source == "leader":
             raise ValueError("basis='shared' needs basis_source='aggregate' (the leader fits one basis per layer)")
-        self._set("center", bool(self.center))
+        self._set("center", check_bool("center", self.center))
         quant_levels = self.quant_levels
         check_positive_int("quant_levels", quant_levels, allow_zero=True)
         if 2 * quant_levels + 1 > 2**_EXACT_BITS // 2:
@@ -254,7 +256,7 @@ class GradiVeQOptions(CodecOptions):
             )
         check_choice("quant_scale", self.quant_scale, QUANT_SCALES)
         check_choice("quant_rounding", self.quant_rounding, QUANT_ROUNDINGS)
-        self._set("seed", int(self.seed))
+        self._set("seed", check_seed("seed", self.seed))
         warmup_steps = check_run_steps("warmup_steps", self.warmup_steps)
         if warmup_steps == 0:
             raise ValueError("warmup_steps must be >= 1 (the first basis is fitted on it), or a fraction of the run")

@@ -46,6 +46,7 @@ from lightning_gradcomp.codecs.base import (
     check_density_warmup,
     check_fraction,
     check_positive_float,
+    check_seed,
     geometric_level,
 )
 from lightning_gradcomp.codecs.positions import (
@@ -144,8 +145,7 @@ class IWPOptions(CodecOptions):
         self._set("keep_fraction", check_fraction("keep_fraction", self.keep_fraction))
         check_choice("index_encoding", self.index_encoding, ENCODINGS)
         check_choice("root", self.root, ROOTS)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        self._set("seed", check_seed("seed", self.seed))
         self._set("eps", check_positive_float("eps", self.eps))
         check_choice("scope", self.scope, SCOPES)
         self._set("sample_fraction", check_fraction("sample_fraction", self.sample_fraction, low_open=False))

@@ -87,10 +87,13 @@ from lightning_gradcomp.codecs.base import (
     MultiRound,
     Prepared,
     RoundContext,
+    check_bool,
     check_choice,
     check_fraction,
+    check_positive_float,
     check_positive_int,
     check_run_steps,
+    check_seed,
     geometric_level,
     run_steps,
 )
@@ -255,28 +258,20 @@ class LGCOptions(CodecOptions):
             raise ValueError(f"innovation_ratio must be below ratio ({self.ratio}), got {self.innovation_ratio}")
         check_positive_int("latent_channels", self.latent_channels)
         check_positive_int("ae_width", self.ae_width)
-        ae_lr = self.ae_lr
-        if not (isinstance(ae_lr, (int, float)) and math.isfinite(ae_lr) and ae_lr > 0):
-            raise ValueError(f"ae_lr must be a positive number, got {ae_lr!r}")
-        self._set("ae_lr", float(ae_lr))
+        self._set("ae_lr", check_positive_float("ae_lr", self.ae_lr))
         check_positive_int("ae_epochs", self.ae_epochs)
-        budget = self.ae_time_budget_s
-        if not (isinstance(budget, (int, float)) and budget > 0):
-            raise ValueError(f"ae_time_budget_s must be a positive number of seconds, got {budget!r}")
-        self._set("ae_time_budget_s", float(budget))
+        seconds = " (seconds)"
+        budget = check_positive_float("ae_time_budget_s", self.ae_time_budget_s, allow_inf=True, note=seconds)
+        self._set("ae_time_budget_s", budget)
         check_positive_int("ae_samples", self.ae_samples)
         check_positive_int("refit_every", self.refit_every, allow_zero=True)
-        if not isinstance(self.code_denser, bool):
-            raise ValueError(f"code_denser must be True or False, got {self.code_denser!r}")
+        check_bool("code_denser", self.code_denser)
         check_choice("selection", self.selection, SELECTIONS)
-        max_recon_error = self.max_recon_error
-        if not (isinstance(max_recon_error, (int, float)) and max_recon_error > 0):
-            raise ValueError(f"max_recon_error must be a positive number, got {max_recon_error!r}")
-        self._set("max_recon_error", float(max_recon_error))
-        self._set("ae_error_feedback", bool(self.ae_error_feedback))
+        self._set("max_recon_error", check_positive_float("max_recon_error", self.max_recon_error, allow_inf=True))
+        self._set("ae_error_feedback", check_bool("ae_error_feedback", self.ae_error_feedback))
         check_choice("warmup_codec", self.warmup_codec, WARMUP_CODECS)
         check_positive_int("warmup_rank", self.warmup_rank)
-        self._set("seed", int(self.seed))
+        self._set("seed", check_seed("seed", self.seed))
 
 
 @register_codec("lgc")

@@ -15,6 +15,8 @@ __all__ = [
     "HarnessOptions",
     "harness_defaults_that_apply",
     "check_fraction",
+    "check_bool",
+    "check_seed",
     "check_positive_int",
     "check_positive_float",
     "check_choice",
@@ -160,7 +162,7 @@ class HarnessOptions(CodecOptions):
     deflate: bool = False
 
     def check(self) -> None:
-        self._set("error_feedback", bool(self.error_feedback))
+        self._set("error_feedback", check_bool("error_feedback", self.error_feedback))
         self._set("min_numel", check_positive_int("min_numel", self.min_numel, allow_zero=True))
         self._set("start_step", check_positive_int("start_step", self.start_step, allow_zero=True))
         self._set("dense_layers", check_dense_layers(self.dense_layers))
@@ -168,16 +170,15 @@ class HarnessOptions(CodecOptions):
         self._set("weight_decay", check_positive_float("weight_decay", self.weight_decay, allow_zero=True))
         if (self.nesterov or self.weight_decay) and not self.momentum:
             raise ValueError("nesterov and weight_decay are part of momentum correction: set momentum > 0 too")
-        self._set("nesterov", bool(self.nesterov))
-        self._set("momentum_masking", bool(self.momentum_masking))
+        self._set("nesterov", check_bool("nesterov", self.nesterov))
+        self._set("momentum_masking", check_bool("momentum_masking", self.momentum_masking))
         if self.lr_scaled_feedback and not self.error_feedback:
             raise ValueError("lr_scaled_feedback rescales the error-feedback residual: it needs error_feedback=True")
-        self._set("lr_scaled_feedback", bool(self.lr_scaled_feedback))
-        self._set("precondition", bool(self.precondition))
+        self._set("lr_scaled_feedback", check_bool("lr_scaled_feedback", self.lr_scaled_feedback))
+        self._set("precondition", check_bool("precondition", self.precondition))
         check_choice("dense_dtype", self.dense_dtype, DENSE_DTYPES)
         check_choice("plain_dtype", self.plain_dtype, DENSE_DTYPES)
-        if not isinstance(self.deflate, bool):
-            raise ValueError(f"deflate must be True or False, got {self.deflate!r}")
+        check_bool("deflate", self.deflate)
 
 
 #: harness options that a codec sets by default only where error feedback is on: a default
@@ -201,14 +202,29 @@ def harness_defaults_that_apply(defaults: Mapping[str, Any], error_feedback: boo
 # --------------------------------------------------------------------------------------------------
 # the checks
 def check_fraction(name: str, value: float, *, low_open: bool = True, high_open: bool = False) -> float:
-    value = float(value)
-    ok_low = value > 0 if low_open else value >= 0
-    ok_high = value < 1 if high_open else value <= 1
-    if not (math.isfinite(value) and ok_low and ok_high):
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    ok_low = number and (value > 0 if low_open else value >= 0)
+    ok_high = number and (value < 1 if high_open else value <= 1)
+    if not (number and math.isfinite(value) and ok_low and ok_high):
         lo = "(0" if low_open else "[0"
         hi = "1)" if high_open else "1]"
-        raise ValueError(f"{name} must be in {lo}, {hi}, got {value}")
+        raise ValueError(f"{name} must be in {lo}, {hi}, got {value!r}")
+    return float(value)
+
+
+def check_bool(name: str, value: bool) -> bool:
+    """``True`` or ``False`` and nothing else: a YAML or JSON string such as ``"false"`` would
+    otherwise read as true."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
     return value
+
+
+def check_seed(name: str, value: int) -> int:
+    """A seed every generator of the package takes: an integer in ``[0, 2**32)`` (numpy's bound)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < 2**32:
+        raise ValueError(f"{name} must be an integer in [0, 2**32), got {value!r}")
+    return int(value)
 
 
 def check_positive_int(name: str, value: int, *, allow_zero: bool = False) -> int:

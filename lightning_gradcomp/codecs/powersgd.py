@@ -54,8 +54,10 @@ from lightning_gradcomp.codecs.base import (
     HarnessOptions,
     MultiRound,
     RoundContext,
+    check_bool,
     check_positive_float,
     check_positive_int,
+    check_seed,
     geometric_level,
 )
 from lightning_gradcomp.comm import completed_future
@@ -118,9 +120,9 @@ class PowerSGDOptions(CodecOptions):
         check_positive_int("rank", self.rank)
         rate = check_positive_float("min_compression_rate", self.min_compression_rate, allow_inf=True)
         self._set("min_compression_rate", rate)
-        self._set("warm_start", bool(self.warm_start))
-        self._set("use_error_feedback", bool(self.use_error_feedback))
-        self._set("seed", int(self.seed))
+        self._set("warm_start", check_bool("warm_start", self.warm_start))
+        self._set("use_error_feedback", check_bool("use_error_feedback", self.use_error_feedback))
+        self._set("seed", check_seed("seed", self.seed))
 
 
 @register_codec("powersgd")

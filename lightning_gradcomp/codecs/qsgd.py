@@ -32,6 +32,7 @@ from lightning_gradcomp.codecs.base import (
     CodecOptions,
     EncodeResult,
     check_positive_int,
+    check_seed,
     geometric_level,
 )
 from lightning_gradcomp.codecs.bits import pack_bits, unpack_bits
@@ -53,7 +54,7 @@ class QSGDOptions(CodecOptions):
         if self.levels > 127:
             raise ValueError(f"levels must be <= 127 (8-bit signed levels), got {self.levels}")
         check_positive_int("chunk_size", self.chunk_size)
-        self._set("seed", int(self.seed))
+        self._set("seed", check_seed("seed", self.seed))
 
 
 @register_codec("qsgd")

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.codecs.base import Codec, CodecOptions, EncodeResult, check_fraction
+from lightning_gradcomp.codecs.base import Codec, CodecOptions, EncodeResult, check_fraction, check_seed
 from lightning_gradcomp.codecs.sampling import keep_count, seeded_generator
 from lightning_gradcomp.registry import register_codec
 
@@ -26,7 +26,7 @@ class RandKOptions(CodecOptions):
 
     def check(self) -> None:
         self._set("ratio", check_fraction("ratio", self.ratio))
-        self._set("seed", int(self.seed))
+        self._set("seed", check_seed("seed", self.seed))
 
 
 @register_codec("randk")

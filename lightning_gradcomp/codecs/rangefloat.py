@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.codecs.base import Codec, CodecOptions, EncodeResult, check_choice
+from lightning_gradcomp.codecs.base import Codec, CodecOptions, EncodeResult, check_choice, check_seed
 from lightning_gradcomp.codecs.bits import codes_nbytes, pack_codes, unpack_codes
 from lightning_gradcomp.codecs.sampling import seeded_generator
 from lightning_gradcomp.registry import register_codec
@@ -272,7 +272,7 @@ class RangeFloatOptions(CodecOptions):
     seed: int = 0
 
     def check(self) -> None:
-        self._set("seed", int(self.seed))
+        self._set("seed", check_seed("seed", self.seed))
         self.format()  # validates bits, exponent widths and rounding
 
     def format(self) -> RangeFloat:

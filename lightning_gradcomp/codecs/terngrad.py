@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.codecs.base import Codec, CodecOptions, EncodeResult, check_positive_float
+from lightning_gradcomp.codecs.base import Codec, CodecOptions, EncodeResult, check_positive_float, check_seed
 from lightning_gradcomp.codecs.bits import pack_bits, unpack_bits
 from lightning_gradcomp.codecs.sampling import seeded_generator
 from lightning_gradcomp.registry import register_codec
@@ -31,7 +31,7 @@ class TernGradOptions(CodecOptions):
     def check(self) -> None:
         note = " (0 disables clipping)"
         self._set("clip", check_positive_float("clip", self.clip, allow_zero=True, allow_inf=True, note=note))
-        self._set("seed", int(self.seed))
+        self._set("seed", check_seed("seed", self.seed))
 
 
 @register_codec("terngrad")

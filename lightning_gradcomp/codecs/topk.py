@@ -29,6 +29,7 @@ from lightning_gradcomp.codecs.base import (
     EncodeResult,
     check_density_warmup,
     check_fraction,
+    check_seed,
     geometric_level,
 )
 from lightning_gradcomp.codecs.sampling import seeded_generator, select_top
@@ -46,7 +47,7 @@ class TopKOptions(CodecOptions):
     def check(self) -> None:
         self._set("ratio", check_fraction("ratio", self.ratio))
         self._set("sample_fraction", check_fraction("sample_fraction", self.sample_fraction, low_open=False))
-        self._set("seed", int(self.seed))
+        self._set("seed", check_seed("seed", self.seed))
         check_density_warmup(self)
 
 
