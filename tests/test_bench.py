@@ -1414,6 +1414,7 @@ def test_compression_report_records_rank_zero_history_and_writes_the_result(tmp_
         **vars(trainer),
         strategy=SimpleNamespace(),
         world_size=2,
+        num_nodes=1,
         loggers=[],
         logger=None,
         datamodule=SimpleNamespace(hparams={"batch_size": 32}),
@@ -1422,6 +1423,7 @@ def test_compression_report_records_rank_zero_history_and_writes_the_result(tmp_
     result = json.loads((tmp_path / "out" / "m.json").read_text())
     assert result["history"] == report.history and result["metrics"] == {"val/acc": 0.52, "val/loss": 1.5}
     assert result["batch_size"] == 32 and result["model"] == "resnet18" and result["steps"] == 100
+    assert result["num_nodes"] == 1 and result["cluster_environment"] is None  # a strategy without one
     assert "val/acc 0.5200 after 100 steps" in capsys.readouterr().out
 
 

@@ -167,7 +167,7 @@ class CompressionReport(Callback):
             "world_size": trainer.world_size,
             "num_nodes": trainer.num_nodes,
             # how Lightning found the ranks: LightningEnvironment, TorchElasticEnvironment, SLURMEnvironment, ...
-            "cluster_environment": type(getattr(strategy, "cluster_environment", None)).__name__,
+            "cluster_environment": _class_name(getattr(strategy, "cluster_environment", None)),
             "steps": trainer.global_step,
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "test/"))},
             "bytes_sent": float(totals.wire_bytes) if totals else 0.0,
@@ -226,6 +226,10 @@ class CompressionReport(Callback):
 def _adaptive(trainer: pl.Trainer) -> AdaptiveCompression | None:
     # a trainer stand-in (a benchmark's, a test's) may have no callbacks
     return next((cb for cb in getattr(trainer, "callbacks", ()) if isinstance(cb, AdaptiveCompression)), None)
+
+
+def _class_name(obj: Any) -> str | None:
+    return None if obj is None else type(obj).__name__
 
 
 def _module_hparams(module: Any) -> dict[str, Any]:
