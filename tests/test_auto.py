@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections import deque
 
 import pytest
 import torch
@@ -74,19 +75,29 @@ def test_equal_predictions_take_the_plan_that_compresses_less():
     assert choose_plan(buckets, [0, 1], link)[0] == (0, 1)
 
 
-def _kept_after_trials(step_times: list[list[float]]) -> dict[str, int]:
-    """The plan ``auto`` keeps (one rank) when its two trial plans, plain (arm 0) and gradiveq
-    (arm 2, a tenth of the bytes), take these step times, the first of each not counted."""
-    codec = make_codec("auto", probe_steps=2, slack=0.02)
-    codec.setup(CodecContext(0, 1, torch.device("cpu")))
-    codec.costs = [arms_for(1e6)]
-    codec.link = LinkModel(1e-3, 100 * MBIT)
+def _trials_of(codec, step_times: list[list[float]]) -> dict[str, int]:
+    """Time two trial plans, plain (arm 0) and gradiveq (arm 2, a tenth of the bytes), at these
+    step times, and return the plan kept."""
     codec._trials, codec._trial_times, codec._trial_reason = [(0.1, (0,)), (0.1, (2,))], [[], []], "test"
     for times in step_times:
         for t in times:
             codec._trial_step(t)
     assert not codec._trials  # decided
     return dict(codec.plan)
+
+
+def _trial_codec(probe_steps: int = 2):
+    codec = make_codec("auto", probe_steps=probe_steps, slack=0.02)
+    codec.setup(CodecContext(0, 1, torch.device("cpu")))
+    codec.costs = [arms_for(1e6)]
+    codec.link = LinkModel(1e-3, 100 * MBIT)
+    return codec
+
+
+def _kept_after_trials(step_times: list[list[float]], probe_steps: int = 2) -> dict[str, int]:
+    """The plan ``auto`` keeps (one rank) when its two trial plans take these step times, the first
+    of each not counted."""
+    return _trials_of(_trial_codec(probe_steps), step_times)
 
 
 def test_timed_plans_within_the_slack_keep_the_one_that_sends_fewest_bytes():
@@ -96,6 +107,43 @@ def test_timed_plans_within_the_slack_keep_the_one_that_sends_fewest_bytes():
     assert _kept_after_trials([[9.0, 0.100, 0.100], [9.0, 0.105, 0.105]]) == {"b": 0}
     # the first step of a plan pays for the switch and is not counted
     assert _kept_after_trials([[0.0, 0.100, 0.100], [9.0, 0.100, 0.100]]) == {"b": 2}
+    assert _kept_after_trials([[9.0, 0.100], [0.0, 0.105]], probe_steps=1) == {"b": 0}
+
+
+def test_a_single_plan_is_kept_untimed_and_only_later_plans_count_as_replans():
+    codec = _trial_codec()
+    # the first plan kept is not a re-plan; each one after it is
+    assert _trials_of(codec, [[9.0, 0.1, 0.1], [9.0, 0.1, 0.1]]) == {"b": 2} and codec.replans == 0
+    assert _trials_of(codec, [[9.0, 0.1, 0.1], [9.0, 0.2, 0.2]]) == {"b": 0} and codec.replans == 1
+    # at level 0 only plain is left (gradiveq:1 is a level-1 arm): one plan, kept without a trial
+    codec = make_codec("auto", candidates=["none", "gradiveq:1"])
+    codec.setup(CodecContext(0, 1, torch.device("cpu")))
+    codec.set_level(0.0)
+    codec.costs = [bucket("b", 1e6, 0.0, [0.0, 0.01], [0.0, 0.002], [1e6, 2e4])]
+    codec._start_trials(LinkModel(1e-3, 10 * MBIT), "test")
+    assert codec.planned and codec.kept == {"b": 0} and codec.measured_s is None
+
+
+def test_the_costs_are_the_ranks_medians_with_the_link_taken_out_of_decoding():
+    codec = make_codec("auto", candidates=["none", "fp16", "gradiveq:1"])
+    codec.setup(CodecContext(0, 4, torch.device("cpu")))
+    codec.context.all_reduce = lambda t, op="sum": t.mul_(4)  # four ranks that timed the same
+    link = LinkModel(1e-3, 100 * MBIT)
+    codec._order, codec._raw = ["b0", "b1"], {"b0": 4_000_000, "b1": 400_000}
+    codec._gaps = {"b0": deque([0.0, 0.0, 0.0]), "b1": deque([0.05, 0.09, 0.06])}
+    # per step of an arm on a bucket: (encode s, result s after the body, bytes one rank sent)
+    codec._samples = {
+        (2, "b0"): deque([(0.010, 0.020, 8e4), (0.012, 0.021, 8e4), (0.011, 0.040, 8e4)]),
+        (1, "b1"): deque([(0.001, 0.0005, 4e5), (0.002, 0.0006, 4e5)]),
+    }
+    b0, b1 = codec._averaged_costs(link)
+    assert (b0.key, b0.raw_bytes, b0.gap, b1.gap) == ("b0", 4_000_000, 0.0, 0.06)
+    assert b0.encode[2] == pytest.approx(0.011) and b0.wire[2] == 8e4
+    assert b0.decode[2] == pytest.approx(0.021 - link.seconds(8e4))  # the wire is the link model's
+    assert b1.decode[1] == 0.0  # a result faster than the link model: nothing left to decode
+    assert b0.encode[1] == b0.decode[1] == b0.wire[1] == 0.0  # an arm not timed on a bucket
+    # plain all-reduce's bytes are the ring's, for the bucket and its flag: 2 (N-1)/N of them
+    assert b0.wire[0] == pytest.approx(1.5 * 4_000_004) and b1.wire[0] == pytest.approx(1.5 * 400_004)
 
 
 def test_the_level_bounds_the_arms():
@@ -115,6 +163,13 @@ def test_link_change_is_relative():
     assert not link.changed(LinkModel(0.0022, 90 * MBIT), relink=0.25)
     assert link.changed(LinkModel(0.002, 10 * MBIT), relink=0.25)
     assert link.changed(LinkModel(0.05, 100 * MBIT), relink=0.25)
+    # the bandwidth's relative change against log(1 + relink): 100 -> 75 Mbit/s is a third more time a byte
+    assert link.changed(LinkModel(0.002, 75 * MBIT), relink=0.25)
+    assert not link.changed(LinkModel(0.002, 85 * MBIT), relink=0.25)
+    # latencies under a millisecond are noise however much they change in proportion
+    fast = LinkModel(1e-4, 100 * MBIT)
+    assert not fast.changed(LinkModel(5e-4, 100 * MBIT), relink=0.25)
+    assert fast.changed(LinkModel(2e-3, 100 * MBIT), relink=0.25)
 
 
 def test_bad_options_are_refused_before_any_process_starts():
@@ -185,7 +240,7 @@ def _train_auto(rank: int, world: int) -> dict:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(100 + rank)
     codec = state.codec
-    plans, ratios = [], []
+    plans, ratios, link_bps = [], [], []
     slowed_at = None  # the step after which the link turned slow
     # driven by the codec's own state, identical on every rank (its plans are digest-checked): how
     # many steps the loopback trials take depends on timings, so a fixed step for the slowdown
@@ -197,6 +252,7 @@ def _train_auto(rank: int, world: int) -> dict:
         opt.step()
         plans.append(dict(codec.plan))
         ratios.append(state.stats.pop().compression_ratio)
+        link_bps.append(codec.link.bytes_per_s if codec.link is not None else None)
         if slowed_at is None and codec.planned:
             slowed_at, replans_at_slow = step, codec.replans
             _slow_blocking_collectives()
@@ -229,6 +285,7 @@ def _train_auto(rank: int, world: int) -> dict:
         "ratios": ratios,
         "slowed_at": slowed_at,
         "links": codec.link,
+        "link_bps": link_bps,
         "replans": codec.replans,
         "weights": weights,
         "wire": {b.key: b.wire for b in codec.costs},
@@ -244,6 +301,9 @@ def test_every_rank_takes_the_same_plan_and_a_slower_link_changes_it():
     assert len(r0["plans"]) < MAX_AUTO_STEPS, "no new plan after the link turned slow"
     before, after = r0["plans"][slowed_at], r0["plans"][-1]
     assert 8 * r0["links"].bytes_per_s < 20e6  # the probe saw the 10 Mbit/s link
+    # ... at most remeasure_every (2) steps after the link turned slow: the link is timed on schedule
+    seen = next(i for i, bps in enumerate(r0["link_bps"]) if bps is not None and 8 * bps < 20e6)
+    assert seen - slowed_at <= 2, (seen, slowed_at)
     # on 10 Mbit/s bytes cost far more than any arm's compute: the plans the model ranks first, of
     # which the timed trials keep one, all send a small part of plain all-reduce's bytes
     wire = r0["wire"]
@@ -276,7 +336,18 @@ def _level_flow(rank: int, world: int) -> dict:
         # the arms every bucket of this step went through (the marks of the step just sent)
         used = sorted({m[1] for m in codec._marks})
         rows.append({"step": step, "level": codec.compression_level, "used": used, "explored": list(codec.explored)})
-    return {"rows": rows, "plan": dict(codec.plan), "planned": codec.planned}
+    wire, plan, planned = {b.key: list(b.wire) for b in codec.costs}, dict(codec.plan), codec.planned
+    # the level falls while plans are on trial, one of them sending every bucket through gradiveq:
+    # the step after it sends none through it
+    heavy = tuple(2 for _ in codec.costs)
+    codec._trials, codec._trial_times, codec._trial_reason = [(0.1, heavy)], [[]], "test"
+    codec._use(heavy)
+    codec.set_level(0.0)
+    x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+    ddp.zero_grad()
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    lowered = {"plan": sorted(set(codec.plan.values())), "used": sorted({m[1] for m in codec._marks})}
+    return {"rows": rows, "plan": plan, "planned": planned, "wire": wire, "lowered": lowered}
 
 
 def test_the_level_bounds_every_step_and_a_newly_allowed_arm_is_timed_first():
@@ -289,3 +360,6 @@ def test_the_level_bounds_every_step_and_a_newly_allowed_arm_is_timed_first():
     first = next(r for r in rows if 2 in r["used"])
     assert first["step"] >= 12 and first["used"] == [2]  # its first use: an exploration step, every bucket
     assert rows[-1]["explored"][2] == 1 and out["planned"]
+    # the plan kept after timing it rests on its measured costs
+    assert all(arms[2] > 0 for arms in out["wire"].values()), out["wire"]
+    assert out["lowered"]["plan"] == [2] and 2 not in out["lowered"]["used"], out["lowered"]
