@@ -12,8 +12,10 @@ from lightning_gradcomp.codecs.positions import (
     counts_nbytes,
     decode_channel_positions,
     decode_counts,
+    decode_positions,
     encode_channel_positions,
     encode_counts,
+    encode_positions,
     encoded_nbytes,
     kernel_counts,
     kernel_fields,
@@ -109,6 +111,34 @@ def test_a_corrupt_channel_code_is_refused():
     code = encode_channel_positions(pos, counts, 100)
     with pytest.raises(ValueError, match="corrupt position code"):
         decode_channel_positions(torch.zeros_like(code), counts, 100)
+
+
+def test_a_corrupt_layer_code_is_refused():
+    # the one code over a layer (iwp's, lgc's leader): fewer high parts than positions
+    pos = torch.tensor([3, 17, 40, 41, 90])
+    code = encode_positions(pos, 100, "delta")
+    with pytest.raises(ValueError, match="corrupt position code: 0 high parts for 5 positions"):
+        decode_positions(torch.zeros_like(code), 5, 100, "delta")
+
+
+def test_layer_code_sizes_at_known_points():
+    # Elias-Fano's low bits are floor(log2(n / k)): 3 positions of 100 take 5 (n / k = 33.3), so
+    # 15 low bits and 3 + (99 >> 5) + 1 = 7 high ones, 2 + 1 bytes
+    assert encoded_nbytes("delta", 3, 100) == 3 == encode_positions(torch.tensor([1, 50, 99]), 100, "delta").numel()
+    # where the two codes take the same bytes, the choice is Elias-Fano
+    ties = [
+        (k, n)
+        for n in range(8, 120)
+        for k in range(1, n)
+        if encoded_nbytes("delta", k, n) == encoded_nbytes("bitmap", k, n)
+    ]
+    assert ties and all(choose_encoding("auto", k, n) == "delta" for k, n in ties)
+
+
+def test_a_channel_takes_its_bitmap_as_soon_as_elias_fano_is_not_shorter():
+    # 64 entries: 20 positions in Elias-Fano take 20 * 2 + (63 >> 1) + 1 = 72 bits, 16 take
+    # 16 * 3 + 15 + 1 = 64: both go as the 64-bit bitmap; 2 take 2 * 6 + 1 + 1 = 14 bits
+    assert [int(channel_code_nbytes(torch.tensor([c]), 64)) for c in (20, 16, 2)] == [8, 8, 2]
 
 
 # The Rice code of the gaps (position_code="rice", lgc's default on a union support).
