@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -487,6 +488,40 @@ def test_pspnet_trains_with_sgd_or_adamw_and_refuses_other_optimizers():
         assert type(opt) is cls and opt.param_groups[0]["lr"] == 0.01
     with pytest.raises(ValueError, match="optimizer must be 'adamw' or 'sgd'"):
         mod.PSPNetSegmenter(optimizer="rmsprop")
+
+
+def test_camvid_crops_flips_and_pads_image_and_label_together(tmp_path):
+    """Every label pixel still describes its image pixel after the training crop, flip and
+    padding (void where padded, the image black there), and validation pads to a multiple of 8."""
+    mod = load_recipe("pspnet_camvid")
+    rng = np.random.default_rng(0)
+    h, w = 44, 60
+    for split in ("train", "val"):
+        (tmp_path / split).mkdir()
+        (tmp_path / f"{split}annot").mkdir()
+        for i in range(3):
+            label = rng.integers(0, 11, (h, w)).astype(np.uint8)  # each pixel its own class
+            image = np.stack([label * 20 + 10, rng.integers(0, 256, (h, w)), label * 5], -1).astype(np.uint8)
+            Image.fromarray(image).save(tmp_path / split / f"{i}.png")
+            Image.fromarray(label).save(tmp_path / f"{split}annot" / f"{i}.png")
+    mean, std = torch.tensor(mod.MEAN).view(3, 1, 1), torch.tensor(mod.STD).view(3, 1, 1)
+
+    def check(image, label, padded: int) -> None:
+        pixels = ((image * std + mean) * 255).round()
+        void = label == mod.VOID
+        assert int(void.sum()) == padded
+        assert torch.equal(((pixels[0] - 10) / 20)[~void], label[~void].float())  # the class it shows
+        assert float(pixels[:, void].abs().sum()) == 0.0  # padding is black, and void
+
+    random.seed(0)
+    train = mod.CamVid(tmp_path, "train", crop=48)  # taller than the images: 4 rows of padding
+    for _ in range(12):  # random places, about half of them flipped
+        image, label = train[0]
+        assert image.shape == (3, 48, 48) and label.shape == (48, 48)
+        check(image, label, padded=4 * 48)
+    image, label = mod.CamVid(tmp_path, "val")[1]
+    assert image.shape == (3, 48, 64) and label.shape == (48, 64)
+    check(image, label, padded=48 * 64 - h * w)
 
 
 def test_cifar_preload_matches_the_per_image_transforms(tmp_path):
