@@ -132,9 +132,11 @@ def test_a_skipped_step_takes_back_what_its_finite_buckets_committed():
     assert torch.equal(plain.get("a"), torch.zeros(3))
 
 
-def _nan_in_one_bucket(rank: int, world: int, nonfinite: str) -> dict:
+def _nan_in_one_bucket(rank: int, world: int, nonfinite: str, codec: str = "topk", options: dict | None = None) -> dict:
     # a bucket a layer, and a NaN in the first layer's gradient only (as an overflow inside one
-    # layer's backward would leave it): the other buckets are finite and settle on their own
+    # layer's backward would leave it): the other buckets are finite and settle on their own.
+    # Recorded after every step: our residuals and momentum, and the codec's own state (PowerSGD
+    # keeps its error, P and Q inside torch's state, and lgc's PowerSGD warm-up with it)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lightning_gradcomp.api import make_comm_hook
@@ -144,7 +146,8 @@ def _nan_in_one_bucket(rank: int, world: int, nonfinite: str) -> dict:
         torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)
     )
     ddp = DDP(model, bucket_cap_mb=0.001)
-    state, hook = make_comm_hook("topk", ddp, min_numel=256, momentum=0.9, nonfinite=nonfinite)
+    options = {"min_numel": 256, "momentum": 0.9} if options is None else options
+    state, hook = make_comm_hook(codec, ddp, nonfinite=nonfinite, **options)
     ddp.register_comm_hook(state, hook)
     model[0].weight.register_hook(lambda g: g * float("nan") if state.step == BAD and rank == 1 else g)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
@@ -156,9 +159,28 @@ def _nan_in_one_bucket(rank: int, world: int, nonfinite: str) -> dict:
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         if not state.consume_skip() or nonfinite == "zero":
             opt.step()
-        rows.append({"residuals": state.memory.state_dict(), "momentum": state.momentum_buffers.state_dict()})
+        shared = state.codec.state_dict()
+        rows.append(
+            {
+                "residuals": state.memory.state_dict(),
+                "momentum": state.momentum_buffers.state_dict(),
+                "rank": state.codec.rank_state_dict(),
+                "shared": _tensors(shared.get("warmup", shared)),
+            }
+        )
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"rows": rows, "nonfinite_steps": state.nonfinite_steps, "weights": weights}
+
+
+def _tensors(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """A codec's nested state as one flat dict of tensors (numbers become tensors)."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out.update(_tensors(v, f"{prefix}{k}."))
+        elif isinstance(v, (int, float, bool, torch.Tensor)):
+            out[f"{prefix}{k}"] = torch.as_tensor(v)
+    return out
 
 
 def test_a_step_skipped_for_one_buckets_nan_leaves_every_residual_as_it_was():
@@ -178,53 +200,12 @@ def test_a_step_skipped_for_one_buckets_nan_leaves_every_residual_as_it_was():
                 assert kept == ["0.weight"]
 
 
-def _tensors(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
-    """A codec's nested state as one flat dict of tensors (numbers become tensors)."""
-    out = {}
-    for k, v in state.items():
-        if isinstance(v, dict):
-            out.update(_tensors(v, f"{prefix}{k}."))
-        elif isinstance(v, (int, float, bool, torch.Tensor)):
-            out[f"{prefix}{k}"] = torch.as_tensor(v)
-    return out
-
-
-def _nan_in_one_bucket_of_a_codec_with_its_own_memory(rank: int, world: int, codec: str, options: dict) -> dict:
-    # PowerSGD keeps its error, P and Q inside torch's state, not in our residual memory: the
-    # finite buckets of the bad step go through torch's hook before the non-finite one is seen
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from lightning_gradcomp.api import make_comm_hook
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)
-    )
-    ddp = DDP(model, bucket_cap_mb=0.001)
-    state, hook = make_comm_hook(codec, ddp, nonfinite="skip", **options)
-    ddp.register_comm_hook(state, hook)
-    model[0].weight.register_hook(lambda g: g * float("nan") if state.step == BAD and rank == 1 else g)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    gen = torch.Generator().manual_seed(rank)
-    rows = []
-    for _ in range(BAD + 2):
-        x, y = torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        if not state.consume_skip():
-            opt.step()
-        shared = state.codec.state_dict()
-        rows.append({"rank": state.codec.rank_state_dict(), "shared": _tensors(shared.get("warmup", shared))})
-    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return {"rows": rows, "nonfinite_steps": state.nonfinite_steps, "weights": weights}
-
-
 @pytest.mark.parametrize("codec", ["powersgd", "gradiveq"])
 def test_a_skipped_step_leaves_a_codecs_own_memory_as_it_was(codec):
     # gradiveq: the leader (rank 0 at step BAD) fits and broadcasts the step's bases before rank
     # 1's NaN is known; they are put back with the step
     options = {"min_numel": 256} if codec == "gradiveq" else {}
-    ranks = run_gloo(_nan_in_one_bucket_of_a_codec_with_its_own_memory, 2, args=(codec, options))
+    ranks = run_gloo(_nan_in_one_bucket, 2, args=("skip", codec, options))
     assert torch.equal(ranks[0]["weights"], ranks[1]["weights"])
     for out in ranks:
         assert out["nonfinite_steps"] == 1
@@ -241,7 +222,7 @@ def test_a_skipped_step_leaves_a_codecs_own_memory_as_it_was(codec):
 def test_a_skipped_last_step_of_lgcs_powersgd_warm_up_hands_over_the_error_from_before_it():
     # the bad step is stage 1's last: stage 2 takes over PowerSGD's error from before that step
     options = {"warmup_codec": "powersgd", "warmup_steps": BAD + 1, "ae_train_steps": 4, "min_numel": 256}
-    ranks = run_gloo(_nan_in_one_bucket_of_a_codec_with_its_own_memory, 2, args=("lgc", options))
+    ranks = run_gloo(_nan_in_one_bucket, 2, args=("skip", "lgc", options))
     assert torch.equal(ranks[0]["weights"], ranks[1]["weights"])
     for out in ranks:
         assert out["nonfinite_steps"] == 1

@@ -48,18 +48,24 @@ class TinyClassifier(pl.LightningModule):
             json.dump(facts, f)
 
 
-def test_codec_runs_on_cpu_and_checkpoint_holds_every_rank(tmp_path):
-    trainer = pl.Trainer(
+def _topk_trainer(tmp_path, max_steps: int, **more) -> pl.Trainer:
+    """Two CPU processes, topk at 5 %, no logger or progress bar."""
+    return pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=CompressedDDPStrategy(codec="topk", codec_options={"ratio": 0.05}, start_method="spawn"),
-        max_steps=10,
+        max_steps=max_steps,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=tmp_path,
-        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
+        **more,
     )
+
+
+def test_codec_runs_on_cpu_and_checkpoint_holds_every_rank(tmp_path):
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer = _topk_trainer(tmp_path, 10, callbacks=[checkpoint])
     trainer.fit(TinyClassifier(str(tmp_path)))
     facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for f in facts:
@@ -116,17 +122,7 @@ BAD_MANUAL = 5
 
 
 def test_manual_optimization_compresses_and_skips_a_non_finite_step(tmp_path):
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=CompressedDDPStrategy(codec="topk", codec_options={"ratio": 0.05}, start_method="spawn"),
-        max_steps=8,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = _topk_trainer(tmp_path, 8, enable_checkpointing=False)
     trainer.fit(ManualClassifier(str(tmp_path)))
     ranks = [json.loads((tmp_path / f"manual{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["weights_after"] == ranks[1]["weights_after"]  # identical at every step
