@@ -16,6 +16,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch  # noqa: F401  Lightning's log handlers bind the real stderr here, not a test's capture
 import numpy as np
@@ -524,6 +525,27 @@ def test_camvid_crops_flips_and_pads_image_and_label_together(tmp_path):
     check(image, label, padded=48 * 64 - h * w)
 
 
+def test_cifar_subsets_are_the_same_on_every_rank_and_preloaded_validation_is_not_augmented(tmp_path):
+    recipe = load_recipe("resnet_cifar10")
+    items = list(range(100))
+    torch.manual_seed(1)
+    first = list(recipe.subset(items, 10, seed=3))
+    torch.manual_seed(2)  # another rank's global generator: the subset does not depend on it
+    assert list(recipe.subset(items, 10, seed=3)) == first != list(recipe.subset(items, 10, seed=4))
+    root = make_imagefolder(tmp_path / "cifar", {"train": 2, "test": 2})
+    data = recipe.CIFAR10DataModule(data_dir=str(root), preload=True)
+    images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8)
+    labels = torch.arange(4)
+    for training in (False, True):
+        data.trainer = SimpleNamespace(training=training)
+        torch.manual_seed(0)
+        out, same_labels = data.on_after_batch_transfer((images, labels), 0)
+        torch.manual_seed(0)
+        assert torch.equal(out, recipe.augment_on_device(images, train=training)) and same_labels is labels
+    data.trainer = SimpleNamespace(training=False)  # validation sees each image as it is, normalized
+    assert torch.equal(data.on_after_batch_transfer((images, labels), 0)[0], recipe.augment_on_device(images, False))
+
+
 def test_cifar_preload_matches_the_per_image_transforms(tmp_path):
     """``--data.preload``: the decoded test split, normalized on the device, equals what the
     per-image transforms give; a training batch is, image by image, one of the 162 crops and flips
@@ -559,4 +581,6 @@ def test_cifar_preload_matches_the_per_image_transforms(tmp_path):
         offsets.add(found[0][:2])
         flips.add(found[0][2])
     assert len(offsets) > 5 and flips == {False, True}
+    # each of the two offsets is drawn: neither stays at one value
+    assert len({top for top, _ in offsets}) > 2 and len({left for _, left in offsets}) > 2
     assert torch.equal(pad_value, (torch.zeros(3) - torch.tensor(recipe.MEAN)) / torch.tensor(recipe.STD))
