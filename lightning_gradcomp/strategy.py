@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_gradcomp.codecs.base import Codec, MultiRound
-from lightning_gradcomp.codecs.options import harness_defaults_that_apply
+from lightning_gradcomp.codecs.options import check_positive_int, harness_defaults_that_apply
 from lightning_gradcomp.comm import gather_rank_states
 from lightning_gradcomp.hook import (
     NONFINITE_POLICIES,
@@ -122,8 +122,7 @@ class CompressedDDPStrategy(DDPStrategy):
                 )
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {list(NONFINITE_POLICIES)}, got {nonfinite!r}")
-        if isinstance(stats_every, bool) or not isinstance(stats_every, int) or stats_every < 1:
-            raise ValueError(f"stats_every must be an integer >= 1, got {stats_every!r}")
+        check_positive_int("stats_every", stats_every)
         if fallback is not None and not isinstance(fallback, bool):
             raise ValueError(f"fallback must be True, False or None (the environment decides), got {fallback!r}")
         if start_method not in START_METHODS:

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_gradcomp.codecs.base import AdjustableCompression
+from lightning_gradcomp.codecs.options import check_choice, check_fraction, check_positive_float, check_positive_int
 
 __all__ = ["AdjustableCompression", "AccuracyDropRollback"]
 
@@ -73,26 +74,18 @@ class AccuracyDropRollback(Callback):
     ) -> None:
         if not isinstance(monitor, str):
             raise ValueError(f"monitor must be a metric's name (a string), got {monitor!r}")
-        if mode not in ("min", "max"):
-            raise ValueError(f"mode must be one of ['min', 'max'], got {mode!r}")
-        if isinstance(tolerance, bool) or not (
-            isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance >= 0
-        ):
-            raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"patience must be an integer >= 1, got {patience!r}")
-        if isinstance(factor, bool) or not (isinstance(factor, (int, float)) and 0 <= factor < 1):
-            raise ValueError(f"factor must be in [0, 1), got {factor!r}")
-        if isinstance(min_level, bool) or not (isinstance(min_level, (int, float)) and 0 <= min_level <= 1):
-            raise ValueError(f"min_level must be in [0, 1], got {min_level!r}")
-        if isinstance(max_rollbacks, bool) or not isinstance(max_rollbacks, int) or max_rollbacks < 0:
-            raise ValueError(f"max_rollbacks must be an integer >= 0, got {max_rollbacks!r}")
+        check_choice("mode", mode, ("min", "max"))
+        tolerance = check_positive_float("tolerance", tolerance, allow_zero=True)
+        check_positive_int("patience", patience)
+        factor = check_fraction("factor", factor, low_open=False, high_open=True)
+        min_level = check_fraction("min_level", min_level, low_open=False)
+        check_positive_int("max_rollbacks", max_rollbacks, allow_zero=True)
         self.monitor = monitor
         self.mode = mode
-        self.tolerance = float(tolerance)
+        self.tolerance = tolerance
         self.patience = patience
-        self.factor = float(factor)
-        self.min_level = float(min_level)
+        self.factor = factor
+        self.min_level = min_level
         self.max_rollbacks = max_rollbacks
         self.best: float | None = None
         self.bad_checks = 0

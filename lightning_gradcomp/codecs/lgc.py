@@ -260,8 +260,7 @@ class LGCOptions(CodecOptions):
         check_positive_int("ae_width", self.ae_width)
         self._set("ae_lr", check_positive_float("ae_lr", self.ae_lr))
         check_positive_int("ae_epochs", self.ae_epochs)
-        seconds = " (seconds)"
-        budget = check_positive_float("ae_time_budget_s", self.ae_time_budget_s, allow_inf=True, note=seconds)
+        budget = check_positive_float("ae_time_budget_s", self.ae_time_budget_s, allow_inf=True, note=" (seconds)")
         self._set("ae_time_budget_s", budget)
         check_positive_int("ae_samples", self.ae_samples)
         check_positive_int("refit_every", self.refit_every, allow_zero=True)

@@ -85,10 +85,8 @@ class CodecHookState:
         # a router chooses plain all-reduce itself, per bucket (codec "auto")
         self.fallback = FallbackPolicy(enabled=False if isinstance(codec, BucketRouter) else fallback)
         self.step = 0
-        # a step skipped as a whole takes back what its finite buckets committed
-        revertible = nonfinite == "skip"
-        self.memory = ResidualMemory(revertible=revertible)
-        self.momentum_buffers = ResidualMemory(revertible=revertible)  # momentum correction's, per rank
+        self.memory = ResidualMemory(revertible=self.reverts_skipped_steps)
+        self.momentum_buffers = ResidualMemory(revertible=self.reverts_skipped_steps)  # momentum correction's
         self.residual_lr: dict[str, float] = {}  # lr_scaled_feedback: the rate each residual is scaled to
         self.second_moments: dict[str, Tensor] = {}  # precondition: the optimizer's exp_avg_sq by key
         self.stats = StatsAccumulator()
@@ -302,6 +300,12 @@ class CodecHookState:
         self._end_step(self._step_discarded)
         return skip
 
+    @property
+    def reverts_skipped_steps(self) -> bool:
+        """``nonfinite="skip"``: a step skipped as a whole takes back what its finite buckets
+        committed, in the residuals and in the codec's own state."""
+        return self.nonfinite == "skip"
+
     def _end_step(self, discarded: bool) -> None:
         self.memory.end_step()
         self.momentum_buffers.end_step()
@@ -332,7 +336,7 @@ class CodecHookState:
         if not keep:
             buf.zero_()
             with self._lock:
-                if self.nonfinite == "skip":
+                if self.reverts_skipped_steps:
                     self._step_discarded = True
                     self.memory.revert_step()
                     self.momentum_buffers.revert_step()
@@ -373,7 +377,7 @@ class CodecHookState:
             sample=step % self.stats_every == 0,
             record=self.stats.add,
             discard=lambda buf: self.settle(buf, False, keys, momentum_keys),
-            revertible=self.nonfinite == "skip",
+            revertible=self.reverts_skipped_steps,
         )
 
     # ----------------------------------------------------------------------------------------------
