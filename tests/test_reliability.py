@@ -661,6 +661,36 @@ def test_resume_matches_uninterrupted(resume_results, codec: str) -> None:
     _assert_continues_exactly(full, resumed, codec)
 
 
+@pytest.mark.parametrize("warm_start", [False, True])
+def test_powersgds_fresh_qs_after_a_resume_are_the_ones_the_uninterrupted_run_draws(tmp_path, warm_start) -> None:
+    # without warm start torch draws a fresh Q every step, and with it after every change of rank,
+    # from its own seeded generator: a resumed codec must draw where the saved one left off
+    from codec_driver import round_trip, set_up
+
+    def codec() -> Any:
+        return set_up(lightning_gradcomp.make_codec("powersgd", rank=2, warm_start=warm_start, seed=7))
+
+    param = torch.zeros(32, 48)
+    grads = [torch.randn(32 * 48, generator=torch.Generator().manual_seed(s)) for s in range(6)]
+    running = codec()
+    for step in range(3):
+        round_trip(running, grads[step], "w", param, step)
+    saved = tmp_path / "powersgd.pt"
+    torch.save({"shared": running.state_dict(), "rank": running.rank_state_dict()}, saved)
+    if warm_start:  # a new rank drops P and Q: the next step draws fresh ones
+        running.set_level(0.5)
+    uninterrupted = [round_trip(running, grads[step], "w", param, step)[1] for step in range(3, 6)]
+
+    loaded = torch.load(saved, weights_only=True)
+    resumed = codec()
+    resumed.load_state_dict(loaded["shared"])
+    resumed.load_rank_state_dict(loaded["rank"])
+    if warm_start:
+        resumed.set_level(0.5)
+    for step, expected in zip(range(3, 6), uninterrupted):
+        assert torch.equal(round_trip(resumed, grads[step], "w", param, step)[1], expected), step
+
+
 def test_resume_with_a_bucket_a_layer(tmp_path) -> None:
     # DDP's first step after a resume runs on its initial buckets (the first holds up to 1 MiB, so
     # here both layers), then on the rebuilt ones (a bucket a layer): what a codec keeps or chooses

@@ -96,6 +96,25 @@ class _BlockingCollectives:
         return _FinishedWork(tensor)
 
 
+def _generator_state(rng: Any) -> dict[str, Any]:
+    """torch's generator of fresh Qs (a NumPy ``RandomState``) as tensors and numbers, which a
+    checkpoint loaded with ``weights_only=True`` takes: the next fresh Q after a resume (a new
+    rank, or every step without warm start) is the one the uninterrupted run draws."""
+    kind, keys, pos, has_gauss, gauss = rng.get_state()
+    return {
+        "kind": kind,
+        "keys": torch.from_numpy(keys.astype("int64")),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "gauss": float(gauss),
+    }
+
+
+def _set_generator_state(rng: Any, state: dict[str, Any]) -> None:
+    keys = state["keys"].numpy().astype("uint32")
+    rng.set_state((state["kind"], keys, state["pos"], state["has_gauss"], state["gauss"]))
+
+
 @contextlib.contextmanager
 def _blocking_collectives() -> Iterator[None]:
     """Run torch's PowerSGD hook with :class:`_BlockingCollectives` (the hook reads the module's
@@ -306,6 +325,7 @@ class PowerSGDCodec(AdjustableLevel, MultiRound, Codec):
             **self.level_state(),
             "iter": int(s.iter),
             "q": {int(k): v.detach().cpu().clone() for k, v in s.q_memory_dict.items()},
+            "rng": _generator_state(s.rng),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -319,6 +339,8 @@ class PowerSGDCodec(AdjustableLevel, MultiRound, Codec):
         self._torch_state.iter = int(state["iter"])
         device = torch.device("cpu") if self.context is None else self.context.device
         self._torch_state.q_memory_dict = {int(k): v.to(device) for k, v in state["q"].items()}
+        if "rng" in state:  # a checkpoint of an earlier version starts the generator from its seed
+            _set_generator_state(self._torch_state.rng, state["rng"])
 
     def rank_state_dict(self) -> dict[str, Tensor]:
         s = self._torch_state
