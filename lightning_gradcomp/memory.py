@@ -15,13 +15,55 @@ residuals return to what they were before the step, as if it had not run.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Hashable, MutableMapping
 from types import MappingProxyType
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor
 
-__all__ = ["ResidualMemory"]
+__all__ = ["ResidualMemory", "StepUndo"]
+
+
+class StepUndo:
+    """What one step replaced in keyed stores, kept until the step ends, so that a step skipped as
+    a whole (the hook's ``nonfinite="skip"``) can put it back.
+
+    The first time a step changes a key, :meth:`keep` records the values the key held in each store
+    (``None``: it held none) and, once a step, :attr:`started_from`, whatever else the caller needs
+    to go back to (counters, a generator's state). :meth:`restore` puts the values back in the
+    stores, in the order they were read; :meth:`clear` lets them go (the step is final). Stored
+    values are kept by reference: a store written in place must hand over a copy.
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[Hashable, tuple[Any, ...]] = {}
+        self.started_from: Any = None
+
+    def __bool__(self) -> bool:
+        return bool(self._kept) or self.started_from is not None
+
+    def keep(self, key: Hashable, read: Callable[[], tuple[Any, ...]]) -> None:
+        """Record ``read()`` for ``key`` unless this step already changed it (``read`` is called
+        only then, so a copy costs nothing on a key's later changes)."""
+        if key not in self._kept:
+            self._kept[key] = read()
+
+    def restore(self, *stores: MutableMapping) -> list[Hashable]:
+        """Put every kept key back in ``stores`` as it was before the step; return the keys."""
+        keys = list(self._kept)
+        for key, values in self._kept.items():
+            for store, value in zip(stores, values, strict=True):
+                if value is None:
+                    store.pop(key, None)
+                else:
+                    store[key] = value
+        self.clear()
+        return keys
+
+    def clear(self) -> None:
+        self._kept.clear()
+        self.started_from = None
 
 
 class ResidualMemory:
@@ -37,8 +79,8 @@ class ResidualMemory:
         self._current: dict[str, Tensor] = {}
         self._pending: dict[str, Tensor] = {}
         self.revertible = revertible
-        # what this step's commits and drops replaced (None: nothing), for revert_step
-        self._before_step: dict[str, Tensor | None] = {}
+        # what this step's commits and drops replaced, for revert_step
+        self._before_step = StepUndo()
         self._lock = threading.Lock()  # decode callbacks of different buckets run on comm threads
 
     @property
@@ -86,7 +128,7 @@ class ResidualMemory:
                 r = self._pending.pop(k, None)
                 if r is not None:
                     if self.revertible:
-                        self._before_step.setdefault(k, self._current.get(k))
+                        self._before_step.keep(k, lambda k=k: (self._current.get(k),))
                     self._current[k] = r
 
     def mask_pending(self, key: str, keep: Tensor) -> None:
@@ -108,9 +150,9 @@ class ResidualMemory:
         with self._lock:
             for k in keys:
                 if k in self._current:
-                    dropped = self._current.pop(k)
                     if self.revertible:
-                        self._before_step.setdefault(k, dropped)
+                        self._before_step.keep(k, lambda k=k: (self._current[k],))
+                    del self._current[k]
 
     def end_step(self) -> None:
         """Every bucket of the step has settled: what it committed is final, and the residuals it
@@ -122,12 +164,7 @@ class ResidualMemory:
         """Take back this step's commits and drops, and its staged residuals: the residuals are
         those of before the step (a step skipped as a whole)."""
         with self._lock:
-            for k, r in self._before_step.items():
-                if r is None:
-                    self._current.pop(k, None)
-                else:
-                    self._current[k] = r
-            self._before_step.clear()
+            self._before_step.restore(self._current)
             self._pending.clear()
 
     def discard(self, keys: list[str]) -> None:

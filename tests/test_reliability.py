@@ -111,6 +111,8 @@ def test_a_skipped_step_takes_back_what_its_finite_buckets_committed():
     memory.stage("c", torch.full((3,), 5.0))
     memory.commit(["a", "c"])  # a finite bucket settles first
     memory.drop(["b"])  # a plain bucket sent b's residual
+    memory.stage("a", torch.full((3,), 7.0))
+    memory.commit(["a"])  # changed twice in the step: what it held before the step comes back
     memory.stage("a", torch.full((3,), 9.0))  # staged by a bucket still in flight
     memory.revert_step()  # another bucket of the step was non-finite: the step is skipped
     assert sorted(memory.keys()) == ["a", "b"]

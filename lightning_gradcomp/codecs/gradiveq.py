@@ -109,6 +109,7 @@ from lightning_gradcomp.codecs.base import (
 )
 from lightning_gradcomp.codecs.sampling import seeded_generator
 from lightning_gradcomp.comm import digest
+from lightning_gradcomp.memory import StepUndo
 from lightning_gradcomp.registry import register_codec
 
 __all__ = ["GradiVeQCodec", "GradiVeQOptions", "fit_pca", "PHASES"]
@@ -347,7 +348,7 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
         self._samples: dict[str, list[Tensor]] = {}
         self._sample_lock = threading.Lock()
         # nonfinite="skip": the bases a leader's fit replaced this step, for end_step
-        self._before_step: dict[str, Any] | None = None
+        self._before_step = StepUndo()
 
     # picklable (spawned ranks, checkpoints of the strategy): the lock is recreated
     def __getstate__(self) -> dict[str, Any]:
@@ -627,26 +628,25 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
     def _keep_for_revert(self, keys: list[str]) -> None:
         """Keep the bases of ``keys`` that a fit is about to replace (they are replaced, never
         written in place) and the fit count, once a step."""
-        if self._before_step is None:
-            self._before_step = {"fits": self._fits, "last_fit_step": self._last_fit_step, "layers": {}}
-        kept = self._before_step["layers"]
+        undo = self._before_step
+        if undo.started_from is None:
+            undo.started_from = (self._fits, self._last_fit_step)
         for key in keys:
-            if key not in kept:
-                kept[key] = tuple(d.get(key) for d in (self._u32, self._mu32, self._bases, self._means))
+            undo.keep(key, lambda key=key: tuple(d.get(key) for d in self._fitted_stores))
+
+    @property
+    def _fitted_stores(self) -> tuple[dict[str, Tensor], ...]:
+        """What a fit installs per layer: the fp32 working copies and the fp64 masters."""
+        return self._u32, self._mu32, self._bases, self._means
 
     def end_step(self, discarded: bool) -> None:
         """A discarded step (``nonfinite="skip"``, a NaN on another rank than the leader) puts back
         the bases its fits replaced: the next step fits again from where this one started."""
-        before, self._before_step = self._before_step, None
-        if not discarded or before is None:
-            return
-        self._fits, self._last_fit_step = before["fits"], before["last_fit_step"]
-        for key, kept in before["layers"].items():
-            for memory, value in zip((self._u32, self._mu32, self._bases, self._means), kept):
-                if value is None:
-                    memory.pop(key, None)
-                else:
-                    memory[key] = value
+        undo = self._before_step
+        if discarded and undo:
+            self._fits, self._last_fit_step = undo.started_from
+            undo.restore(*self._fitted_stores)
+        undo.clear()
 
     def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], rc: RoundContext) -> Prepared:
         """``"leader"`` source: the bases of this step first (a broadcast, see

@@ -61,6 +61,7 @@ from lightning_gradcomp.codecs.base import (
     geometric_level,
 )
 from lightning_gradcomp.comm import completed_future
+from lightning_gradcomp.memory import StepUndo
 from lightning_gradcomp.registry import register_codec
 from lightning_gradcomp.timing import Span, clock_for
 
@@ -173,7 +174,7 @@ class PowerSGDCodec(AdjustableLevel, MultiRound, Codec):
         self._pending_state: dict[str, Any] | None = None
         self._pending_rank_state: dict[str, Tensor] | None = None
         # nonfinite="skip": what torch's hook replaced during this step, per bucket, for end_step
-        self._before_step: dict[str, Any] | None = None
+        self._before_step = StepUndo()
 
     def check_harness(self, harness: HarnessOptions) -> None:
         if harness.error_feedback:
@@ -280,35 +281,28 @@ class PowerSGDCodec(AdjustableLevel, MultiRound, Codec):
     def _keep_for_revert(self, index: int) -> None:
         """Keep what torch's hook is about to change for bucket ``index``: it assigns a new error
         tensor (the old one is kept as it is) and writes P and Q in place (they are copied)."""
-        s = self._torch_state
-        if self._before_step is None:
-            self._before_step = {"iter": s.iter, "rng": s.rng.get_state(), "buckets": {}}
-        kept = self._before_step["buckets"]
-        if index not in kept:
+        s, undo = self._torch_state, self._before_step
+        if undo.started_from is None:
+            undo.started_from = (s.iter, s.rng.get_state())
+
+        def read() -> tuple[Tensor | None, ...]:
             p, q = s.p_memory_dict.get(index), s.q_memory_dict.get(index)
-            kept[index] = (
-                s.error_dict.get(index),
-                None if p is None else p.clone(),
-                None if q is None else q.clone(),
-            )
+            return s.error_dict.get(index), None if p is None else p.clone(), None if q is None else q.clone()
+
+        undo.keep(index, read)
 
     def end_step(self, discarded: bool) -> list[int]:
         """A discarded step puts back the error, P and Q of every bucket torch's hook compressed in
         it, and the iteration and generator: the next step runs as if this one had not been.
         Returns the indices of the buckets put back."""
-        before, self._before_step = self._before_step, None
-        if not discarded or before is None:
-            return []
-        s = self._torch_state
-        s.iter = before["iter"]
-        s.rng.set_state(before["rng"])
-        for index, kept in before["buckets"].items():
-            for memory, value in zip((s.error_dict, s.p_memory_dict, s.q_memory_dict), kept):
-                if value is None:
-                    memory.pop(index, None)
-                else:
-                    memory[index] = value
-        return list(before["buckets"])
+        s, undo = self._torch_state, self._before_step
+        restored: list[int] = []
+        if discarded and undo:
+            s.iter, rng_state = undo.started_from
+            s.rng.set_state(rng_state)
+            restored = undo.restore(s.error_dict, s.p_memory_dict, s.q_memory_dict)
+        undo.clear()
+        return restored
 
     def pop_error(self, bucket_index: int) -> Tensor | None:
         """Take this rank's error-feedback memory of a bucket out of torch's state (flat, in the
