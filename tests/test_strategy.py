@@ -42,6 +42,7 @@ class TinyClassifier(pl.LightningModule):
             "comm_hook": ddp._get_ddp_logging_data().get("comm_hook"),
             "backend": torch.distributed.get_backend(),
             "steps": self.trainer.strategy.hook_state.step,
+            "net": type(self.net).__name__,
             "weights": [float(p.detach().double().sum()) for p in self.parameters()],
         }
         with open(os.path.join(self.out_dir, f"rank{self.global_rank}.json"), "w") as f:
@@ -116,6 +117,25 @@ class ManualClassifier(TinyClassifier):
         facts = {"weights_after": self.weights_after, "nonfinite": state.nonfinite_steps, "compressed": state.step}
         with open(os.path.join(self.out_dir, f"manual{self.global_rank}.json"), "w") as f:
             json.dump(facts, f)
+
+
+class CompiledClassifier(TinyClassifier):
+    """The network compiled in each process (``torch.compile`` in ``configure_model``, as
+    Lightning suggests; ``aot_eager`` runs the captured graphs without a C++ compiler), so that
+    backward runs AOTAutograd's graph and DDP gets its gradients from it."""
+
+    def configure_model(self) -> None:
+        self.net = torch.compile(self.net, backend="aot_eager")
+
+
+def test_a_compiled_model_keeps_the_codec_hook_and_the_ranks_identical(tmp_path):
+    trainer = _topk_trainer(tmp_path, 10)
+    trainer.fit(CompiledClassifier(str(tmp_path)))
+    facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [f["comm_hook"] for f in facts] == ["codec_hook"] * 2 and facts[0]["steps"] == 10
+    assert [f["net"] for f in facts] == ["OptimizedModule"] * 2
+    assert facts[0]["weights"] == facts[1]["weights"]
+    assert float(trainer.callback_metrics["gradcomp/compression_ratio"]) > 5
 
 
 BAD_MANUAL = 5
