@@ -115,3 +115,10 @@ def test_stochastic_range_float_on_the_device_is_unbiased_and_bounded():
     assert ((q - x).abs()[big] <= fmt.max_relative_error(header) * x.abs()[big] * (1 + 1e-6)).all()
     # the mean error over many values is far below one quantization step
     assert abs(float((q - x).mean())) < 1e-3
+    # and so for values of one sign, where a bias toward zero would not cancel: 4/3 lies between
+    # two 8-bit codes (1.9 sets the top binade), and their mean is 4/3
+    x = torch.full((200_000,), 4.0 / 3.0)
+    x[0] = 1.9
+    header, codes = rf._rf_quantize_device(x, 8, None, None, "stochastic", g)
+    q = rf._rf_dequantize_device(header, codes, 8)[1:]
+    assert len(torch.unique(q)) == 2 and abs(float(q.double().mean()) - 4.0 / 3.0) < 1e-3
