@@ -64,8 +64,9 @@ def test_callback_state_round_trips():
     assert ThetaDecay().state_dict() != cb.state_dict()
     assert cb.state_dict() == {"start": 0.9, "total": 50, "theta": 0.8}
     rb = AccuracyDropRollback()
-    rb.load_state_dict({"best": 0.7, "bad_checks": 0, "rollbacks": 2, "last_good_step": 40})
-    assert (rb.best, rb.rollbacks) == (0.7, 2)
+    saved = {"best": 0.7, "bad_checks": 1, "rollbacks": 2, "last_good_step": 40}
+    rb.load_state_dict(saved)
+    assert (rb.best, rb.bad_checks, rb.rollbacks) == (0.7, 1, 2) and rb.state_dict() == saved
     assert AccuracyDropRollback(monitor="a").state_key != AccuracyDropRollback(monitor="b").state_key
 
 
@@ -142,6 +143,32 @@ def test_rollback_patience_counts_consecutive_bad_checks_only():
     assert [s["rollbacks"] for s in seen] == [0, 0, 0, 0]
     seen = _validations(rollback, [1.5])  # the second bad check in a row
     assert seen[-1]["rollbacks"] == 1 and seen[-1]["weight"] == 3.0  # back to the last good state, step 3
+
+
+def test_rollback_bounds_a_drop_by_the_tolerance_the_level_by_min_level_and_stops_at_max_rollbacks():
+    # a fall of exactly the tolerance is not a drop (0.25 is exact in binary)
+    seen = _validations(AccuracyDropRollback(monitor="val_loss", mode="max", tolerance=0.25), [1.0, 0.75])
+    assert seen[-1]["rollbacks"] == 0 and seen[-1]["weight"] == 2.0
+    # half of theta 0.9 is 0.45, below the floor 0.5
+    seen = _validations(AccuracyDropRollback(monitor="val_loss", tolerance=0.1, min_level=0.5), [1.0, 0.5])
+    assert seen[-1]["rollbacks"] == 1 and seen[-1]["limit"] == pytest.approx(0.5)
+    # one rollback allowed: a second drop is only reported
+    seen = _validations(AccuracyDropRollback(monitor="val_loss", tolerance=0.1, max_rollbacks=1), [1.0, 0.5, 0.5])
+    assert [s["rollbacks"] for s in seen] == [0, 1, 1]
+
+
+def test_rollback_ignores_the_sanity_check():
+    # Lightning's sanity check validates a couple of batches of an untrained model: not a best value
+    rollback = AccuracyDropRollback(monitor="val_acc")
+    trainer = SimpleNamespace(sanity_checking=True, fast_dev_run=False, callback_metrics={"val_acc": torch.tensor(0.9)})
+    rollback.on_validation_end(trainer, None)
+    assert rollback.best is None and rollback.last_good_step is None
+
+
+def test_a_rollback_starts_the_count_of_bad_checks_again():
+    rollback = AccuracyDropRollback(monitor="val_loss", mode="min", tolerance=0.1, patience=2)
+    seen = _validations(rollback, [1.0, 1.5, 1.5, 1.5])  # two bad checks roll back; the third is one
+    assert [s["rollbacks"] for s in seen] == [0, 0, 1, 1] and rollback.bad_checks == 1
 
 
 # --------------------------------------------------------------------------------------------------
