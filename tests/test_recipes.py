@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import random
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import lightning.pytorch  # noqa: F401  Lightning's log handlers bind the real stderr here, not a test's capture
 import numpy as np
@@ -322,6 +324,13 @@ def test_tensorboard_tags_and_hyperparameters(runs):
     hparams = session_hparams(run_dir)
     assert hparams["codec"] == "lgc" and hparams["codec_options/ratio"] == pytest.approx(0.0075)
     assert hparams["model/lr"] == pytest.approx(0.1) and hparams["data/batch_size"] == pytest.approx(32)
+    # the other recipes log what their docstrings list
+    for name, folder, tags in (
+        ("cifar", "resnet_cifar10", ("train/loss", "train/acc", "val/loss", "val/acc")),
+        ("pspnet", "pspnet_camvid", ("train/loss", "val/loss", "val/miou", "val/pixel_acc", "val/iou/sky")),
+    ):
+        logged = scalars(runs[name]["tb"] / folder / "version_0")
+        assert set(tags) <= set(logged), f"{name}: {sorted(logged)}"
 
 
 def session_hparams(log_dir: Path) -> dict[str, object]:
@@ -584,3 +593,95 @@ def test_cifar_preload_matches_the_per_image_transforms(tmp_path):
     # each of the two offsets is drawn: neither stays at one value
     assert len({top for top, _ in offsets}) > 2 and len({left for _, left in offsets}) > 2
     assert torch.equal(pad_value, (torch.zeros(3) - torch.tensor(recipe.MEAN)) / torch.tensor(recipe.STD))
+
+
+def _schedule(module: Any, total: int, codec: Any = None) -> tuple[torch.optim.Optimizer, Any]:
+    """The optimizer and the learning-rate factor per step that ``configure_optimizers`` gives for
+    a run of ``total`` optimizer steps, under a strategy with ``codec`` (or none)."""
+    module.trainer = SimpleNamespace(estimated_stepping_batches=total, strategy=SimpleNamespace(codec=codec))
+    config = module.configure_optimizers()
+    assert config["lr_scheduler"]["interval"] == "step"  # the schedule is per optimizer step, not per epoch
+    return config["optimizer"], config["lr_scheduler"]["scheduler"].lr_lambdas[0]
+
+
+@pytest.mark.parametrize(("total", "warmup"), [(100, 5), (20_000, 500)])
+def test_cifar_learning_rate_warms_up_over_5_percent_of_the_steps_at_most_500_then_falls_to_zero(total, warmup):
+    recipe = load_recipe("resnet_cifar10")
+    _, factor = _schedule(recipe.CIFAR10Classifier(model="resnet10"), total)
+    # linear warm-up: step s runs at (s + 1) / warmup of the peak, times the cosine
+    for s in range(warmup):
+        assert factor(s) == pytest.approx((s + 1) / warmup * 0.5 * (1 + math.cos(math.pi * s / total)))
+    # then the cosine alone, from the peak down to 0 at the last step, and 0 after it
+    assert factor(warmup) == pytest.approx(0.5 * (1 + math.cos(math.pi * warmup / total)))
+    assert factor(total // 2) == pytest.approx(0.5)
+    assert factor(total) == pytest.approx(0.0, abs=1e-12) and factor(total + total // 2) == pytest.approx(
+        0.0, abs=1e-12
+    )
+    decay = [factor(s) for s in range(warmup, total + 1)]
+    assert all(a >= b for a, b in zip(decay, decay[1:]))
+
+
+def test_cifar_builds_the_model_asked_for_and_nesterov_sgd_unless_the_codec_adds_momentum():
+    recipe = load_recipe("resnet_cifar10")
+    module = recipe.CIFAR10Classifier(model="resnet10", lr=0.05, weight_decay=1e-3)
+    assert sum(p.numel() for p in module.parameters()) == 4_903_242  # one block per stage, as asked
+    with pytest.raises(ValueError, match="model must be 'resnet18' or 'resnet10'"):
+        recipe.CIFAR10Classifier(model="resnet34")
+    opt, _ = _schedule(module, 100)
+    group = opt.param_groups[0]
+    assert type(opt) is torch.optim.SGD
+    assert (group["initial_lr"], group["momentum"], group["nesterov"], group["weight_decay"]) == (0.05, 0.9, True, 1e-3)
+    # a codec without momentum correction leaves the optimizer as it is
+    codec = SimpleNamespace(harness=SimpleNamespace(momentum=0.0, weight_decay=0.0))
+    assert _schedule(module, 100, codec)[0].param_groups[0]["nesterov"]
+    # momentum correction in the codec: plain SGD, and the weight decay where the codec does not add it
+    for codec_decay, expected in ((5e-4, 0.0), (0.0, 1e-3)):
+        codec = SimpleNamespace(harness=SimpleNamespace(momentum=0.9, weight_decay=codec_decay))
+        group = _schedule(module, 100, codec)[0].param_groups[0]
+        assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0.0, False, expected)
+
+
+def test_cifar_accuracy_is_the_fraction_of_images_right_over_all_classes():
+    # top-1 accuracy over the images (micro), not the mean of the per-class accuracies
+    recipe = load_recipe("resnet_cifar10")
+    module = recipe.CIFAR10Classifier(model="resnet10")
+    labels = torch.tensor([0, 0, 0, 0, 0, 0, 1, 2])
+    predicted = torch.tensor([0, 0, 0, 0, 0, 0, 2, 1])  # the six of class 0 right, the two others wrong
+    module.val_acc.update(torch.nn.functional.one_hot(predicted, 10).float(), labels)
+    assert float(module.val_acc.compute()) == pytest.approx(6 / 8)
+
+
+def test_pspnet_learning_rate_falls_by_the_poly_rule_and_the_optimizers_take_their_settings():
+    recipe = load_recipe("pspnet_camvid")
+    total = 200
+    for name in ("adamw", "sgd"):
+        module = recipe.PSPNetSegmenter(encoder="resnet18", optimizer=name, lr=0.01, weight_decay=1e-3)
+        opt, factor = _schedule(module, total)
+        assert [factor(s) for s in (0, 50, 100, total, total + 10)] == pytest.approx(
+            [1.0, 0.75**0.9, 0.5**0.9, 0.0, 0.0]
+        )
+        group = opt.param_groups[0]
+        assert group["weight_decay"] == 1e-3
+        if name == "sgd":  # PSPNet's own optimizer
+            assert group["momentum"] == 0.9
+
+
+def test_pspnet_miou_is_over_the_classes_seen_and_each_validation_starts_afresh():
+    recipe = load_recipe("pspnet_camvid")
+    module = recipe.PSPNetSegmenter(encoder="resnet18")
+    logged: list[dict[str, float]] = []
+    module.log_dict = lambda values, **kwargs: logged.append({k: float(v) for k, v in values.items()})
+    # 8 labelled pixels: sky (0) 4, road (3) 2, car (8) 2; void (11) ignored; the other classes absent
+    label = torch.tensor([0, 0, 0, 0, 3, 3, 8, 8, 11, 11])
+    predicted = torch.tensor([0, 0, 0, 3, 3, 3, 8, 0, 5, 8])
+    module.confmat.update(predicted, label)
+    module.on_validation_epoch_end()
+    iou = {"sky": 3 / 5, "road": 2 / 3, "car": 1 / 2}  # intersection over union of label and prediction
+    assert logged[0]["val/miou"] == pytest.approx(sum(iou.values()) / 3)
+    assert logged[0]["val/pixel_acc"] == pytest.approx(6 / 8)
+    per_class = {k.removeprefix("val/iou/"): v for k, v in logged[0].items() if k.startswith("val/iou/")}
+    assert per_class == pytest.approx(iou)
+    # the next validation counts its own pixels only: every one right this time
+    module.confmat.update(label, label)
+    module.on_validation_epoch_end()
+    assert logged[1] == {"val/miou": 1.0, "val/pixel_acc": 1.0, **{f"val/iou/{c}": 1.0 for c in iou}}
