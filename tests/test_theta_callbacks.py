@@ -29,6 +29,7 @@ def test_theta_schedules_reach_their_documented_values():
     step = [theta_at(s, 100, 0.9, 0.5, "step", (0.5, 0.75)) for s in (49, 50, 74, 75)]
     assert step == pytest.approx([0.9, 0.7, 0.7, 0.5])
     assert theta_at(30, 100, 0.9, 0.6, "step", (10, 30, 60)) == pytest.approx(0.7)  # step numbers
+    assert theta_at(1, 100, 0.9, 0.5, "step", (1, 50)) == pytest.approx(0.7)  # 1 is step 1, not the end
 
 
 @pytest.mark.parametrize(
@@ -71,7 +72,8 @@ def test_callback_state_round_trips():
 
 
 def test_a_resumed_theta_decay_continues_its_schedule_from_the_start_it_recorded():
-    # the codec comes back at the decayed theta; the schedule's start is the one the run began with
+    # the codec comes back at the decayed theta; the schedule's start (the codec's theta when the
+    # run began) and length are the ones the run began with, though the resumed run is longer
     codec = make_codec("fft", theta=0.9)
     trainer = SimpleNamespace(strategy=SimpleNamespace(codec=codec), global_step=0, estimated_stepping_batches=50)
     module = SimpleNamespace(log=lambda *args, **kwargs: None)
@@ -82,11 +84,21 @@ def test_a_resumed_theta_decay_continues_its_schedule_from_the_start_it_recorded
     assert codec.compression_level == pytest.approx(0.7)
     resumed = ThetaDecay(theta_end=0.5, schedule="linear")
     resumed.load_state_dict(first.state_dict())
-    trainer.global_step = 30
+    trainer.global_step, trainer.estimated_stepping_batches = 30, 80
     for callback in (first, resumed):  # a second fit() of the same run, and a resumed run
         callback.on_fit_start(trainer, module)
         callback.on_train_batch_start(trainer, module, None, 0)
         assert codec.compression_level == pytest.approx(0.66)  # 0.9 - 0.4 * 30 / 50
+
+
+def test_theta_decay_starts_from_the_codecs_theta():
+    codec = make_codec("fft", theta=0.8)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(codec=codec), global_step=0, estimated_stepping_batches=40)
+    decay = ThetaDecay(theta_end=0.4, schedule="linear")
+    decay.on_fit_start(trainer, SimpleNamespace())
+    trainer.global_step = 10
+    decay.on_train_batch_start(trainer, SimpleNamespace(log=lambda *args, **kwargs: None), None, 0)
+    assert codec.compression_level == pytest.approx(0.7)  # 0.8 - 0.4 * 10 / 40
 
 
 def _validations(rollback: AccuracyDropRollback, values: list[float], codec=None) -> list[dict]:
