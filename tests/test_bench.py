@@ -1401,7 +1401,8 @@ def test_compression_report_records_rank_zero_history_and_writes_the_result(tmp_
     report.on_validation_end(trainer, None)
     trainer.global_step, trainer.callback_metrics = 100, {"val/acc": 0.5}
     report.on_validation_end(trainer, None)
-    trainer.callback_metrics = {"val/acc": 0.52, "val/loss": 1.5, "train/loss": 1.0}  # validated again at one step
+    # validated again at one step (a test metric logged before fit ended is reported too)
+    trainer.callback_metrics = {"val/acc": 0.52, "val/loss": 1.5, "train/loss": 1.0, "test/acc": 0.5}
     report.on_validation_end(trainer, None)
     report.on_validation_end(SimpleNamespace(**{**vars(trainer), "is_global_zero": False, "global_step": 150}), None)
     report.on_validation_end(SimpleNamespace(**{**vars(trainer), "sanity_checking": True, "global_step": 0}), None)
@@ -1421,10 +1422,55 @@ def test_compression_report_records_rank_zero_history_and_writes_the_result(tmp_
     )
     report.on_fit_end(fake, SimpleNamespace(hparams={"model": "resnet18"}))
     result = json.loads((tmp_path / "out" / "m.json").read_text())
-    assert result["history"] == report.history and result["metrics"] == {"val/acc": 0.52, "val/loss": 1.5}
+    assert result["history"] == report.history
+    assert result["metrics"] == {"val/acc": 0.52, "val/loss": 1.5, "test/acc": 0.5}
     assert result["batch_size"] == 32 and result["model"] == "resnet18" and result["steps"] == 100
     assert result["num_nodes"] == 1 and result["cluster_environment"] is None  # a strategy without one
     assert "val/acc 0.5200 after 100 steps" in capsys.readouterr().out
+
+
+def test_compression_report_validates_the_last_step_gives_the_epoch_rule_back_and_says_what_ran(capsys, monkeypatch):
+    from lightning_gradcomp.callbacks import AdaptiveCompression, CompressionReport
+
+    report = CompressionReport()
+    controller = AdaptiveCompression()
+    controller.steps_at_level = {1.0: 2, 0.0: 1}  # heavy steps first in the dict
+    totals = SimpleNamespace(wire_bytes=1e6, raw_wire_bytes=3e6, compression_ratio=3.0)
+    hook_state = SimpleNamespace(
+        stats=SimpleNamespace(totals=totals, last=SimpleNamespace(compression_ratio=40.0)),
+        fallback=SimpleNamespace(fallback={4: "plain", 5: "plain"}),
+        codec=None,
+    )
+    trainer = SimpleNamespace(
+        estimated_stepping_batches=3,
+        global_step=2,
+        current_epoch=0,
+        check_val_every_n_epoch=2,
+        should_stop=False,
+        is_global_zero=True,
+        callback_metrics={},
+        callbacks=[controller],
+        strategy=SimpleNamespace(hook_state=hook_state),
+        world_size=2,
+        num_nodes=1,
+        loggers=[],
+        logger=None,
+        datamodule=None,
+    )
+    report.on_train_start(trainer, None)
+    report.on_train_batch_end(trainer, None, None, None, 1)
+    assert not trainer.should_stop and trainer.check_val_every_n_epoch == 2
+    trainer.global_step = 3  # the last step, in an epoch that would not validate: it does
+    report.on_train_batch_end(trainer, None, None, None, 2)
+    assert trainer.should_stop and trainer.check_val_every_n_epoch is None
+    report.on_fit_end(trainer, SimpleNamespace(hparams={}))
+    assert trainer.check_val_every_n_epoch == 2  # as the user set it, for a later fit or validate
+    out = capsys.readouterr().out
+    assert "compression ratio 40.0 at steady state (last step), 3.0 over the run; 1.00 MB sent" in out
+    assert "fallback: 2 gradient bucket(s) went back to plain all-reduce" in out
+    assert "(steps at each level, 1 = the codec's setting): 1 at 0, 2 at 1" in out  # in the order of the levels
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")  # what seed_everything set
+    assert report.result(trainer, SimpleNamespace(hparams={}), 0.0)["seed"] == 7
 
 
 def test_legacy_recipe_flags_match_todays_configuration():
