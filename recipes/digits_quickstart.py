@@ -1,20 +1,21 @@
 """Quick start: real 2-process data-parallel training on CPU with compressed gradients.
 
-The 8x8 handwritten digits that ship inside scikit-learn (1,797 images, nothing to download),
-a small MLP (64-256-256-10, 85,002 parameters), and ``CompressedDDPStrategy`` running two gloo
+The 8x8 handwritten digits that ship inside scikit-learn (1,797 images, nothing to download), a
+small MLP (64-256-256-10, 85,002 parameters), and ``CompressedDDPStrategy`` running two gloo
 processes on CPU with the package's headline codec, ``lgc`` (Learned Gradient Compression). Its
-warm-up is a fraction of the run: dense all-reduce for the first 5 % of the steps, then the
-largest 0.75 % of each large weight matrix on a support shared by all ranks, sent exactly while
-``lgc`` collects samples of them, then the learned code: each value as a sign and one of a few
-magnitude levels fitted to those samples (2 bits instead of 32), wherever it reconstructs them
-well enough; a layer it cannot carry keeps its exact values. The level controller, on by default,
-sends the critical phases (the first windows of 50 steps, and any window in which the gradient's
-norm changes by half) on a ten times denser support. The end of the run says how many steps ran
-at each level, and how many layers and values the learned code carried. The biases stay below
-``min_numel`` (1,024 entries) and travel uncompressed. Ten epochs (230 steps) take 20 s to a minute on two cores, mostly
-process start-up; it prints the test accuracy and the compression ratio, at steady state and
-over the run. Two processes on one machine talk over loopback, where plain all-reduce is cheaper
-than any codec, so the config turns the strategy's timing fallback off and always compresses.
+warm-up is a fraction of the run: dense all-reduce for the first 5 % of the steps, then the largest
+0.75 % of each large weight matrix on a support shared by all ranks, sent exactly while ``lgc``
+collects samples of them, then the learned code: each value as a sign and one of a few magnitude
+levels fitted to those samples (2 bits instead of 32), wherever it reconstructs them well enough; a
+layer it cannot carry keeps its exact values. The level controller, on by default, sends the
+critical phases (the first window of 50 steps, and each window that follows one in which the norm
+of the mean gradient changed by half or more) on a ten times denser support. The end of the run
+says how many steps ran at each level, and how many layers and values the learned code carried. The
+biases stay below ``min_numel`` (1,024 entries) and travel uncompressed. Ten epochs (230 steps)
+take 20 s to a minute on two cores, mostly process start-up; it prints the test accuracy and the
+compression ratio, at steady state and over the run. Two processes on one machine talk over
+loopback, where plain all-reduce is cheaper than any codec, so the config turns the strategy's
+timing fallback off and always compresses.
 
 The configuration is ``configs/digits_quickstart.yaml``; anything in it can be changed on the
 command line (LightningCLI)::
