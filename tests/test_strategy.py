@@ -77,6 +77,8 @@ def test_codec_runs_on_cpu_and_checkpoint_holds_every_rank(tmp_path):
     m = trainer.callback_metrics
     assert float(m["gradcomp/phase"]) == 1.0
     assert float(m["gradcomp/compression_ratio"]) > 5
+    assert float(m["ratio"]) == float(m["gradcomp/compression_ratio"])  # the progress bar shows the step's
+    assert float(m["gradcomp/compression_ratio_run"]) < float(m["gradcomp/compression_ratio"])  # 2 dense steps
     assert float(m["gradcomp/bytes_sent"]) < float(m["gradcomp/raw_bytes"])
     # the checkpoint holds both ranks' residuals and loads without unpickling arbitrary objects
     ckpt = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
