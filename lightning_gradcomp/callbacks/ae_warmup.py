@@ -131,7 +131,7 @@ class AutoencoderWarmup(ScheduleOverride):
             )
         else:
             how = (
-                f"no layer passed the gate (too few stage-2 samples to measure the {name}'s error), so the "
+                f"no layer passed the gate (too few stage-2 samples to measure the error of the {name}), so the "
                 "exact values of the shared support were sent"
             )
         return f"lgc: learned code from step {codec.ae_start_step}: {how}"
