@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_gradcomp.codecs.base import Codec, MultiRound
-from lightning_gradcomp.codecs.options import check_positive_int, harness_defaults_that_apply
+from lightning_gradcomp.codecs.options import check_choice, check_positive_int, harness_defaults_that_apply
 from lightning_gradcomp.comm import gather_rank_states
 from lightning_gradcomp.hook import (
     NONFINITE_POLICIES,
@@ -125,8 +125,7 @@ class CompressedDDPStrategy(DDPStrategy):
         check_positive_int("stats_every", stats_every)
         if fallback is not None and not isinstance(fallback, bool):
             raise ValueError(f"fallback must be True, False or None (the environment decides), got {fallback!r}")
-        if start_method not in START_METHODS:
-            raise ValueError(f"start_method must be one of {list(START_METHODS)}, got {start_method!r}")
+        check_choice("start_method", start_method, START_METHODS)
         if timeout is not None and not isinstance(timeout, timedelta):
             raise ValueError(f"timeout must be a datetime.timedelta or None, got {timeout!r}")
         self.codec = resolve_codec(codec, codec_options)
