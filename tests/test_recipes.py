@@ -492,9 +492,7 @@ def test_resnet_real_cifar10(tmp_path):
 def test_pspnet_trains_with_sgd_or_adamw_and_refuses_other_optimizers():
     mod = load_recipe("pspnet_camvid")
     for name, cls in (("sgd", torch.optim.SGD), ("adamw", torch.optim.AdamW)):
-        module = mod.PSPNetSegmenter(encoder="resnet18", optimizer=name, lr=0.01)
-        module.trainer = type("T", (), {"estimated_stepping_batches": 10})()
-        opt = module.configure_optimizers()["optimizer"]
+        opt, _ = _schedule(mod.PSPNetSegmenter(encoder="resnet18", optimizer=name, lr=0.01), 10)
         assert type(opt) is cls and opt.param_groups[0]["lr"] == 0.01
     with pytest.raises(ValueError, match="optimizer must be 'adamw' or 'sgd'"):
         mod.PSPNetSegmenter(optimizer="rmsprop")
