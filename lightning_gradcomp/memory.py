@@ -30,10 +30,11 @@ class StepUndo:
     a whole (the hook's ``nonfinite="skip"``) can put it back.
 
     The first time a step changes a key, :meth:`keep` records the values the key held in each store
-    (``None``: it held none) and, once a step, :attr:`started_from`, whatever else the caller needs
-    to go back to (counters, a generator's state). :meth:`restore` puts the values back in the
-    stores, in the order they were read; :meth:`clear` lets them go (the step is final). Stored
-    values are kept by reference: a store written in place must hand over a copy.
+    (``None``: it held none); the first time it changes anything, :meth:`keep_start` records in
+    :attr:`started_from` whatever else the caller needs to go back to (counters, a generator's
+    state). :meth:`restore` puts the values back in the stores, in the order they were read;
+    :meth:`clear` lets them go (the step is final). Stored values are kept by reference: a store
+    written in place must hand over a copy.
     """
 
     def __init__(self) -> None:
@@ -42,6 +43,11 @@ class StepUndo:
 
     def __bool__(self) -> bool:
         return bool(self._kept) or self.started_from is not None
+
+    def keep_start(self, read: Callable[[], Any]) -> None:
+        """Record ``read()`` as :attr:`started_from` unless this step already recorded it."""
+        if self.started_from is None:
+            self.started_from = read()
 
     def keep(self, key: Hashable, read: Callable[[], tuple[Any, ...]]) -> None:
         """Record ``read()`` for ``key`` unless this step already changed it (``read`` is called

@@ -629,8 +629,7 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
         """Keep the bases of ``keys`` that a fit is about to replace (they are replaced, never
         written in place) and the fit count, once a step."""
         undo = self._before_step
-        if undo.started_from is None:
-            undo.started_from = (self._fits, self._last_fit_step)
+        undo.keep_start(lambda: (self._fits, self._last_fit_step))
         for key in keys:
             undo.keep(key, lambda key=key: tuple(d.get(key) for d in self._fitted_stores))
 

@@ -282,8 +282,7 @@ class PowerSGDCodec(AdjustableLevel, MultiRound, Codec):
         """Keep what torch's hook is about to change for bucket ``index``: it assigns a new error
         tensor (the old one is kept as it is) and writes P and Q in place (they are copied)."""
         s, undo = self._torch_state, self._before_step
-        if undo.started_from is None:
-            undo.started_from = (s.iter, s.rng.get_state())
+        undo.keep_start(lambda: (s.iter, s.rng.get_state()))
 
         def read() -> tuple[Tensor | None, ...]:
             p, q = s.p_memory_dict.get(index), s.q_memory_dict.get(index)
