@@ -145,3 +145,58 @@ def test_no_collective_leaves_the_given_process_group(runs):
         assert rank_out["strays"] == [], "collectives on a group other than the one given: " + str(
             sorted(set(rank_out["strays"]))
         )
+
+
+class Layouts(nn.Module):
+    """One parameter in each memory layout DDP meets: C-contiguous, ``channels_last``, a
+    transposed matrix (dense, not contiguous) and a strided slice (not dense). The loss is
+    ``sum(p * coef[p])``, so each gradient is exactly its ``coef``, entry by entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.conv = nn.Parameter(torch.randn(4, 3, 2, 2, generator=g))
+        self.conv_cl = nn.Parameter(torch.randn(4, 3, 2, 2, generator=g).contiguous(memory_format=torch.channels_last))
+        self.transposed = nn.Parameter(torch.randn(5, 6, generator=g).t())
+        self.strided = nn.Parameter(torch.randn(6, 10, generator=g)[:, ::2])
+        self.coef = {name: torch.randn(p.shape, generator=g) for name, p in self.named_parameters()}
+
+    def forward(self) -> torch.Tensor:
+        return sum((p * self.coef[name]).sum() for name, p in self.named_parameters())
+
+
+def layouts_worker(rank: int, world: int):
+    from lightning_gradcomp.hook.state import in_parameter_order
+
+    model = Layouts()
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def hook(_, bucket):
+        for g, p in zip(bucket.gradients(), bucket.parameters()):
+            seen[names[id(p)]] = (g.clone(), in_parameter_order(g, p).clone())
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    ddp = DDP(model)
+    ddp.register_comm_hook(None, hook)
+    ddp().backward()
+    layouts = {
+        n: (p.is_contiguous(), p.is_contiguous(memory_format=torch.channels_last)) for n, p in model.named_parameters()
+    }
+    return {"seen": seen, "coef": model.coef, "layouts": layouts}
+
+
+def test_a_bucket_slice_is_read_in_its_parameters_order_whatever_the_layout():
+    out = run_gloo(layouts_worker, 1)[0]
+    assert out["layouts"] == {
+        "conv": (True, False),
+        "conv_cl": (False, True),
+        "transposed": (False, False),
+        "strided": (False, False),
+    }
+    for name, (plain_view, ordered) in out["seen"].items():
+        assert torch.equal(ordered, out["coef"][name]), name
+        # GradBucket.gradients() alone reads the channels_last and transposed slices permuted
+        assert torch.equal(plain_view, out["coef"][name]) == (name in ("conv", "strided")), name

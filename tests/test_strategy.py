@@ -260,3 +260,86 @@ def test_a_checkpoint_of_another_codec_or_world_size_does_not_load_what_cannot_a
     with pytest.warns(UserWarning, match="written by 2 ranks and this run has 1: per-rank residuals"):
         strategy._apply_checkpoint(state, _saved_topk_run(2))
     assert state.step == 9 and state.memory.keys() == []
+
+
+class ConvClassifier(pl.LightningModule):
+    """Three convolutions, their weights in ``channels_last`` memory order if asked. DDP then
+    lays each such weight's gradient out in the bucket in that order (N, H, W, C), while the
+    codecs index a layer's values as the weight's shape says (N, C, H, W)."""
+
+    def __init__(self, out_dir: str, tag: str, channels_last: bool) -> None:
+        super().__init__()
+        self.out_dir, self.tag, self.channels_last = out_dir, tag, channels_last
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(32, 10),
+        )
+        if channels_last:
+            self.net.to(memory_format=torch.channels_last)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(512, 3, 8, 8, generator=g), torch.randint(0, 10, (512,), generator=g)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+
+    def on_train_end(self) -> None:
+        layouts = [p.is_contiguous(memory_format=torch.channels_last) for p in self.parameters() if p.dim() == 4]
+        weights = torch.cat([p.detach().reshape(-1) for p in self.parameters()])
+        torch.save(
+            {"weights": weights, "channels_last": layouts},
+            os.path.join(self.out_dir, f"{self.tag}{self.global_rank}.pt"),
+        )
+
+
+@pytest.mark.parametrize("codec", ["iwp", "lgc"])
+def test_channels_last_weights_and_gradient_bucket_views_train_as_contiguous_ones(tmp_path, codec):
+    """A codec whose choices depend on values alone trains the same whatever the memory order of
+    the weights, and whether or not DDP makes the gradients views of its buckets. ``iwp`` ranks
+    each gradient entry by ``|g| / |w|``: it must pair an entry with its own weight, not with the
+    one at its place in the bucket. ``lgc`` scales and names its values per output channel."""
+    from reliability_helpers import short_options
+
+    runs = {
+        "contiguous": (False, {}),
+        "channels_last": (True, {}),
+        "bucket_views": (True, {"gradient_as_bucket_view": True}),
+    }
+    for tag, (channels_last, ddp) in runs.items():
+        strategy = CompressedDDPStrategy(codec=codec, codec_options=short_options(codec), start_method="spawn", **ddp)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=12,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        trainer.fit(ConvClassifier(str(tmp_path), tag, channels_last))
+        assert float(trainer.callback_metrics["gradcomp/compression_ratio"]) > 3  # the last steps compressed
+    out = {tag: [torch.load(tmp_path / f"{tag}{r}.pt", weights_only=True) for r in range(2)] for tag in runs}
+    assert [r["channels_last"] for r in out["channels_last"]] == [[True] * 3] * 2
+    reference = out["contiguous"][0]["weights"]
+    for tag, ranks in out.items():
+        assert torch.equal(ranks[0]["weights"], ranks[1]["weights"]), tag
+        # the convolutions' kernels add in another order in channels_last: equal up to rounding
+        torch.testing.assert_close(ranks[0]["weights"], reference, rtol=0, atol=1e-5, msg=tag)

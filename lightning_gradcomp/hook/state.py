@@ -392,7 +392,8 @@ class CodecHookState:
         # it stays on the device and travels in the message, so no rank waits for it here
         flag = holds_nonfinite(buf).to(torch.float32).reshape(1)
         keys = [self.key_of(p) for p in bucket.parameters()]
-        layers = list(zip(keys, bucket.gradients(), bucket.parameters()))
+        params = bucket.parameters()
+        layers = list(zip(keys, map(in_parameter_order, bucket.gradients(), params), params))
         bucket_key = f"{keys[0]}..{keys[-1]}[{len(keys)}]" if keys else "empty"
         compress = self.compressing(step) and not fallback.falls_back(bucket_key)
         collective = self.codec.collective_at(step)
@@ -433,6 +434,36 @@ class CodecHookState:
         fell_back = fallback.maybe_decide(self.process_group, group_device(self.process_group))
         if fell_back is not None:
             self.stats.set_extra(fallback_buckets=len(fell_back))
+
+
+def in_parameter_order(grad: Tensor, param: Tensor) -> Tensor:
+    """``grad``, one slice of a DDP bucket, viewed so that entry ``i`` of ``reshape(-1)`` is entry
+    ``i`` of ``param``.
+
+    DDP writes a dense parameter's gradient into its bucket in the parameter's memory order (for a
+    ``channels_last`` weight: output channel, row, column, input channel), but
+    ``GradBucket.gradients()`` views every slice as C-contiguous in the parameter's shape. Read
+    through that view, a ``channels_last`` weight's values would be permuted against the weight
+    itself and the optimizer's state of it, which ``iwp``'s importance, momentum correction's
+    weight decay and ``precondition`` read. Viewed with the parameter's strides, as DDP's own
+    bucket views are, they are not. A parameter that is not dense (DDP then lays it out
+    C-contiguous too) and a contiguous one keep the view they have.
+    """
+    if grad.stride() == param.stride() or not _dense(param):
+        return grad
+    return grad.as_strided(param.shape, param.stride())
+
+
+def _dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory exactly once, in some order of its dimensions
+    (DDP's ``is_non_overlapping_and_dense``): strides that, sorted, are the running product of
+    their sizes."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 # no "from __future__ import annotations" in this module: DDP checks the hook's annotations at run time
