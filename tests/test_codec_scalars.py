@@ -134,6 +134,14 @@ def test_schedule_callbacks_override_options_and_log_nothing():
     trainer = SimpleNamespace(strategy=SimpleNamespace(codec=lgc))
     AutoencoderWarmup(warmup_steps=4).setup(trainer, None, "fit")
     assert lgc.options.warmup_steps == 4 and lgc.options.ae_train_steps == 0.1  # the other one kept
+    # fractions of the run, as the codec's own options take them, and the codec's own refusals
+    AutoencoderWarmup(warmup_steps=0.2, ae_train_steps=0.05).setup(trainer, None, "fit")
+    assert (lgc.options.warmup_steps, lgc.options.ae_train_steps) == (0.2, 0.05)
+    with pytest.raises(ValueError, match="ae_train_steps must be >= 1 step .or a fraction of the run."):
+        AutoencoderWarmup(ae_train_steps=0)
+    with pytest.raises(ValueError, match="warmup_steps must be an integer >= 0 .steps. or a float in .0, 1."):
+        AutoencoderWarmup(warmup_steps=-1)
+    assert AutoencoderWarmup(warmup_steps=0).overrides() == {"warmup_steps": 0}  # no dense warm-up
     with pytest.raises(ValueError, match="AutoencoderWarmup needs CompressedDDPStrategy.codec='lgc'."):
         AutoencoderWarmup().setup(SimpleNamespace(strategy=SimpleNamespace(codec=make_codec("topk"))), None, "fit")
     pca = make_codec("gradiveq")

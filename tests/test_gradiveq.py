@@ -83,6 +83,12 @@ def test_callback_options_are_checked():
     with pytest.raises(ValueError, match="refresh_every"):
         PCAWarmup(refresh_every=-1)
     assert PCAWarmup(refresh_every=0).refresh_every == 0  # documented: never refit
+    # what the codec takes, the callback takes: its default warm-up is a fraction of the run
+    assert PCAWarmup(warmup_steps=0.1).overrides() == {"warmup_steps": 0.1}
+    with pytest.raises(ValueError, match="warmup_steps must be an integer >= 0 .steps. or a float in .0, 1."):
+        PCAWarmup(warmup_steps=1.5)
+    with pytest.raises(ValueError, match="refresh_every must be an integer >= 0, got 0.5"):
+        PCAWarmup(refresh_every=0.5)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_gradcomp.callbacks.schedule import ScheduleOverride
-from lightning_gradcomp.codecs.base import check_positive_int
 
 __all__ = ["AutoencoderWarmup"]
 
@@ -34,8 +33,10 @@ class AutoencoderWarmup(ScheduleOverride):
     callback. With another codec it raises ``ValueError``.
 
     Args:
-        warmup_steps: if given, overrides the codec's ``warmup_steps`` before training starts.
-        ae_train_steps: if given, overrides the codec's ``ae_train_steps``.
+        warmup_steps: if given, overrides the codec's ``warmup_steps`` before training starts:
+            steps (>= 0) or, as the codec takes it, a fraction of the run in ``(0, 1)``.
+        ae_train_steps: if given, overrides the codec's ``ae_train_steps``: steps (>= 1) or a
+            fraction of the run.
 
     Example::
 
@@ -46,13 +47,10 @@ class AutoencoderWarmup(ScheduleOverride):
     schedule_options = ("warmup_steps", "ae_train_steps")
     other_codec = "raise"
 
-    def __init__(self, warmup_steps: int | None = None, ae_train_steps: int | None = None) -> None:
-        if warmup_steps is not None:
-            check_positive_int("warmup_steps", warmup_steps, allow_zero=True)
-        if ae_train_steps is not None:
-            check_positive_int("ae_train_steps", ae_train_steps)
+    def __init__(self, warmup_steps: int | float | None = None, ae_train_steps: int | float | None = None) -> None:
         self.warmup_steps = warmup_steps
         self.ae_train_steps = ae_train_steps
+        self._check_overrides()
 
     @classmethod
     def codec_type(cls) -> type:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from lightning_gradcomp.callbacks.schedule import ScheduleOverride
-from lightning_gradcomp.codecs.base import check_positive_int
 
 __all__ = ["PCAWarmup"]
 
@@ -29,7 +28,8 @@ class PCAWarmup(ScheduleOverride):
     With another codec it warns once and does nothing.
 
     Args:
-        warmup_steps: override the codec's ``warmup_steps`` (>= 1).
+        warmup_steps: override the codec's ``warmup_steps``: steps (>= 1) or, as the codec takes
+            it, a fraction of the run in ``(0, 1)``.
         refresh_every: override ``refresh_every`` (>= 0; 0 never refits).
         refresh_window: override ``refresh_window`` (>= 1).
     """
@@ -39,17 +39,15 @@ class PCAWarmup(ScheduleOverride):
     other_codec = "warn"
 
     def __init__(
-        self, warmup_steps: int | None = None, refresh_every: int | None = None, refresh_window: int | None = None
+        self,
+        warmup_steps: int | float | None = None,
+        refresh_every: int | None = None,
+        refresh_window: int | None = None,
     ) -> None:
-        if warmup_steps is not None:
-            check_positive_int("warmup_steps", warmup_steps)
-        if refresh_every is not None:
-            check_positive_int("refresh_every", refresh_every, allow_zero=True)
-        if refresh_window is not None:
-            check_positive_int("refresh_window", refresh_window)
         self.warmup_steps = warmup_steps
         self.refresh_every = refresh_every
         self.refresh_window = refresh_window
+        self._check_overrides()
 
     @classmethod
     def codec_type(cls) -> type:

@@ -43,6 +43,12 @@ class ScheduleOverride(Callback):
         codec = getattr(trainer.strategy, "codec", None)
         return codec if isinstance(codec, cls.codec_type()) else None
 
+    def _check_overrides(self) -> None:
+        """Check the given values as the codec checks its own options (its ``Options`` with these
+        values and the defaults for the rest), so that the callback takes what the codec takes (a
+        fraction of the run where the codec does) and refuses it with the codec's message."""
+        self.codec_type().Options(**self.overrides())
+
     def overrides(self) -> dict[str, Any]:
         """The options this callback replaces: those given, not ``None``."""
         given = {name: getattr(self, name) for name in self.schedule_options}
