@@ -192,6 +192,27 @@ class CompressedDDPStrategy(DDPStrategy):
         self._warn_options_differ_from_checkpoint()
         self._resumed_from = None
         self._warn_sparse_codec_with_adaptive_optimizer(trainer)
+        self._warn_nothing_to_compress()
+
+    def _warn_nothing_to_compress(self) -> None:
+        """Warn once when the codec would compress none of the model's trainable parameters (all
+        smaller than ``min_numel``, or kept dense by the layer policy): the run then trains as
+        plain DDP while its logs name a codec. Checked after the Adam-like defaults, which may
+        change the layer policy."""
+        codec, module = self.codec, self.lightning_module
+        if self.hook_state is None or codec.name == "none" or module is None:
+            return
+        trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not trainable or any(codec.should_compress(n, p) for n, p in trainable):
+            return
+        largest = max(p.numel() for _, p in trainable)
+        rank_zero_warn(
+            f"codec {codec.name!r} compresses none of this model's {len(trainable)} trainable parameters: the "
+            f"largest has {largest:,} entries, below min_numel={codec.harness.min_numel}, or the layer policy "
+            f"(dense_layers={codec.config().get('dense_layers')!r}) keeps them dense, so every gradient is averaged "
+            f"whole, in {codec.harness.dense_dtype}. To compress small layers give a smaller min_numel, e.g. "
+            f"codec_options={{'min_numel': {largest}}}."
+        )
 
     def _adopt_adaptive_optimizer_defaults(self) -> None:
         """Beside an Adam-like optimizer, set the codec's ``adaptive_optimizer_defaults`` for the

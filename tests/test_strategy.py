@@ -343,3 +343,34 @@ def test_channels_last_weights_and_gradient_bucket_views_train_as_contiguous_one
         assert torch.equal(ranks[0]["weights"], ranks[1]["weights"]), tag
         # the convolutions' kernels add in another order in channels_last: equal up to rounding
         torch.testing.assert_close(ranks[0]["weights"], reference, rtol=0, atol=1e-5, msg=tag)
+
+
+def _strategy_for(codec: str, module: nn.Module, **options) -> CompressedDDPStrategy:
+    """A strategy as it stands after registering its hook on ``module`` (no process group)."""
+    from lightning_gradcomp.hook import CodecHookState
+
+    strategy = CompressedDDPStrategy(codec=codec, codec_options=options)
+    strategy._lightning_module = module
+    strategy.hook_state = CodecHookState.for_model(strategy.codec, module)
+    return strategy
+
+
+def test_a_model_the_codec_compresses_nothing_of_is_told_so():
+    import warnings
+
+    small = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with pytest.warns(
+        UserWarning,
+        match=r"codec 'topk' compresses none of this model's 4 trainable parameters: "
+        r"the largest has 128 entries, below min_numel=1024.*codec_options=\{'min_numel': 128\}",
+    ):
+        _strategy_for("topk", small)._warn_nothing_to_compress()
+    # a large layer that is frozen does not count; one that trains does
+    frozen = nn.Sequential(nn.Linear(64, 64).requires_grad_(False), nn.Linear(16, 4))
+    with pytest.warns(UserWarning, match="compresses none of this model's 2 trainable parameters"):
+        _strategy_for("topk", frozen)._warn_nothing_to_compress()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _strategy_for("topk", nn.Sequential(nn.Linear(64, 64), nn.Linear(16, 4)))._warn_nothing_to_compress()
+        _strategy_for("topk", small, min_numel=128)._warn_nothing_to_compress()
+        _strategy_for("none", small)._warn_nothing_to_compress()  # compresses nothing by design
