@@ -513,6 +513,8 @@ class CompressedDDPStrategy(DDPStrategy):
             "options": self.codec.config(),
             "optimizer_defaults": self._optimizer_defaults,
             "world_size": len(ranks),
+            # per-parameter tensors are in each parameter's own order (hook.state.in_parameter_order)
+            "parameter_order": True,
             "shared": state.state_dict(),
             "ranks": ranks,
         }
@@ -534,7 +536,34 @@ class CompressedDDPStrategy(DDPStrategy):
                 "state (bases, learned weights, schedules, step) is restored"
             )
             return
-        state.load_rank_state_dict(saved["ranks"][dist.get_rank() if dist.is_initialized() else 0], self.root_device)
+        rank_state = saved["ranks"][dist.get_rank() if dist.is_initialized() else 0]
+        if not saved.get("parameter_order"):
+            rank_state = self._put_in_parameter_order(rank_state)
+        state.load_rank_state_dict(rank_state, self.root_device)
+
+    def _put_in_parameter_order(self, rank_state: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint written before the hook read gradients in their parameters' order holds
+        the residual and momentum of a dense, non-contiguous parameter (a ``channels_last``
+        weight) in the order of its memory: put them in the parameter's order, and say that what
+        a codec learned of such a layer stays as it was learned."""
+        from lightning_gradcomp.hook.state import from_bucket_order, read_in_bucket_order
+
+        module = self.lightning_module
+        moved = {n: p for n, p in module.named_parameters() if read_in_bucket_order(p)} if module is not None else {}
+        if not moved:
+            return rank_state
+        rank_state = dict(rank_state)
+        for key, value in rank_state.items():
+            kind, _, name = key.partition(".")
+            if kind in ("residual", "momentum") and name in moved and value.numel() == moved[name].numel():
+                rank_state[key] = from_bucket_order(value, moved[name])
+        rank_zero_warn(
+            f"the checkpoint was written before the hook read each gradient in its parameter's order: the residuals "
+            f"and momentum of the {len(moved)} parameter(s) held in another memory order (e.g. channels_last: "
+            f"{', '.join(sorted(moved)[:3])}{', ...' if len(moved) > 3 else ''}) were put in that order; "
+            f"what codec {self.codec.name!r} learned of them is kept as it was learned"
+        )
+        return rank_state
 
     @classmethod
     @override

@@ -351,6 +351,7 @@ def _strategy_for(codec: str, module: nn.Module, **options) -> CompressedDDPStra
 
     strategy = CompressedDDPStrategy(codec=codec, codec_options=options)
     strategy._lightning_module = module
+    strategy.parallel_devices = [torch.device("cpu")]
     strategy.hook_state = CodecHookState.for_model(strategy.codec, module)
     return strategy
 
@@ -374,3 +375,34 @@ def test_a_model_the_codec_compresses_nothing_of_is_told_so():
         _strategy_for("topk", nn.Sequential(nn.Linear(64, 64), nn.Linear(16, 4)))._warn_nothing_to_compress()
         _strategy_for("topk", small, min_numel=128)._warn_nothing_to_compress()
         _strategy_for("none", small)._warn_nothing_to_compress()  # compresses nothing by design
+
+
+def test_a_checkpoint_of_before_the_parameter_order_resumes_its_channels_last_residuals_in_place():
+    """Checkpoints written before the hook read bucket slices with their parameters' strides
+    hold a ``channels_last`` weight's residual in the order of the weight's memory; resumed, it
+    goes back to the entries it belongs to. A contiguous weight's, and a newer checkpoint's,
+    stay as saved."""
+    import warnings
+
+    module = nn.Sequential(nn.Conv2d(3, 4, 2).to(memory_format=torch.channels_last), nn.Linear(5, 6))
+    conv = module[0].weight
+    true_residual = torch.arange(conv.numel(), dtype=torch.float32).reshape(conv.shape)
+    in_memory_order = true_residual.contiguous(memory_format=torch.channels_last).as_strided((conv.numel(),), (1,))
+    assert not torch.equal(in_memory_order, true_residual.reshape(-1))  # the test means something
+    linear_residual = torch.randn(30)
+    saved = _saved_topk_run(1)
+    saved["ranks"] = [{"residual.0.weight": in_memory_order.clone(), "residual.1.weight": linear_residual}]
+
+    strategy = _strategy_for("topk", module)
+    with pytest.warns(UserWarning, match=r"before the hook read each gradient in its parameter's order.*1 parameter"):
+        strategy._apply_checkpoint(strategy.hook_state, saved)
+    memory = strategy.hook_state.memory
+    assert torch.equal(memory.get("0.weight"), true_residual.reshape(-1))
+    assert torch.equal(memory.get("1.weight"), linear_residual)
+
+    saved["parameter_order"] = True  # written by this version: taken as it is, without a word
+    strategy = _strategy_for("topk", module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy._apply_checkpoint(strategy.hook_state, saved)
+    assert torch.equal(strategy.hook_state.memory.get("0.weight"), in_memory_order)

@@ -16,7 +16,7 @@ from lightning_gradcomp.hook.encode import encode_layers, holds_nonfinite
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.stats import StatsAccumulator
 
-__all__ = ["CodecHookState", "codec_hook", "NONFINITE_POLICIES"]
+__all__ = ["CodecHookState", "codec_hook", "NONFINITE_POLICIES", "in_parameter_order"]
 
 NONFINITE_POLICIES = ("skip", "zero", "raise")
 
@@ -452,6 +452,22 @@ def in_parameter_order(grad: Tensor, param: Tensor) -> Tensor:
     if grad.stride() == param.stride() or not _dense(param):
         return grad
     return grad.as_strided(param.shape, param.stride())
+
+
+def read_in_bucket_order(param: Tensor) -> bool:
+    """Whether the hook read ``param``'s gradient permuted before it viewed bucket slices with
+    their parameters' strides (:func:`in_parameter_order`): a dense parameter that is not
+    C-contiguous, such as a ``channels_last`` weight."""
+    return not param.is_contiguous() and _dense(param)
+
+
+def from_bucket_order(flat: Tensor, param: Tensor) -> Tensor:
+    """A flat tensor of one entry per entry of ``param`` in the order of ``param``'s memory (as a
+    checkpoint written before :func:`in_parameter_order` holds residuals and momentum), put in
+    the order of ``param`` itself."""
+    laid_out = torch.empty_strided(param.shape, param.stride(), dtype=flat.dtype, device=flat.device)
+    laid_out.as_strided((flat.numel(),), (1,)).copy_(flat)
+    return laid_out.reshape(-1)
 
 
 def _dense(t: Tensor) -> bool:
