@@ -1,5 +1,7 @@
 """The hook in real 2-process gloo runs with plain DDP (make_comm_hook), rank-dependent data."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -200,3 +202,35 @@ def test_a_bucket_slice_is_read_in_its_parameters_order_whatever_the_layout():
         assert torch.equal(ordered, out["coef"][name]), name
         # GradBucket.gradients() alone reads the channels_last and transposed slices permuted
         assert torch.equal(plain_view, out["coef"][name]) == (name in ("conv", "strided")), name
+
+
+def sparse_worker(rank: int, world: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 4, sparse=True), nn.Linear(4, 2))
+    ddp = DDP(model)
+    state, hook = make_comm_hook("topk")  # no model given: nothing to check it against before the step
+    ddp.register_comm_hook(state, hook)
+    try:
+        ddp(torch.randint(0, 50, (8, 3))).sum().backward()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_sparse_gradients_are_refused_with_the_modules_that_give_them():
+    from lightning_gradcomp.hook.state import check_dense_gradients
+
+    model = nn.Sequential(nn.Embedding(50, 4, sparse=True), nn.Linear(4, 2), nn.EmbeddingBag(9, 4, sparse=True))
+    with pytest.raises(
+        ValueError, match=r"module\(s\) '0', '2' of this model are embeddings with sparse=True.*sparse=False"
+    ):
+        check_dense_gradients(model)
+    check_dense_gradients(nn.Sequential(nn.Embedding(50, 4), nn.Linear(4, 2)))  # dense: taken
+    model[0].requires_grad_(False)
+    model[2].sparse = False
+    check_dense_gradients(model)  # a frozen table has no gradient at all
+    # a sparse gradient from no such module is refused by the hook itself, on every rank alike
+    for message in run_gloo(sparse_worker, 2):
+        assert message is not None and re.search(
+            r"the gradient of \['param\d+'\] reached the hook as a sparse", message
+        )

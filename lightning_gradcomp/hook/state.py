@@ -121,6 +121,7 @@ class CodecHookState:
         codec.fit_to_run(total_steps)
         names: dict[int, str] = {}
         if module is not None:
+            check_dense_gradients(module)
             names = {id(p): n for n, p in module.named_parameters()}
             codec.plan_layers(module.named_parameters())
             first = next(module.parameters(), None)
@@ -383,6 +384,12 @@ class CodecHookState:
     # ----------------------------------------------------------------------------------------------
     def process_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         buf = bucket.buffer()
+        if buf.is_sparse:  # from a module check_dense_gradients does not know: every rank gets one alike
+            names = [self.key_of(p) for p in bucket.parameters()]
+            raise RuntimeError(
+                f"the gradient of {names} reached the hook as a sparse tensor: the gradient codecs, "
+                f"{self.codec.name!r} included, work on dense gradients; make that gradient dense"
+            )
         fallback = self.fallback
         fallback.use_device(buf.device)
         if self._step_end_pending:
@@ -452,6 +459,24 @@ def in_parameter_order(grad: Tensor, param: Tensor) -> Tensor:
     if grad.stride() == param.stride() or not _dense(param):
         return grad
     return grad.as_strided(param.shape, param.stride())
+
+
+def check_dense_gradients(module: torch.nn.Module) -> None:
+    """Refuse a module whose embeddings give sparse gradients (``nn.Embedding`` or
+    ``nn.EmbeddingBag`` with ``sparse=True``) before the first step, naming them: DDP hands such a
+    gradient to the hook as a sparse tensor of its own bucket, which no codec here reads. Raised
+    on every rank alike, before any collective."""
+    sparse = [
+        name
+        for name, m in module.named_modules()
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad
+    ]
+    if sparse:
+        raise ValueError(
+            f"the gradient codecs work on dense gradients, and module(s) {', '.join(map(repr, sparse))} of this "
+            "model are embeddings with sparse=True, whose gradients are sparse: build them with sparse=False "
+            "(their gradients are then compressed like any other layer's)"
+        )
 
 
 def read_in_bucket_order(param: Tensor) -> bool:
