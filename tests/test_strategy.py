@@ -267,9 +267,9 @@ class ConvClassifier(pl.LightningModule):
     lays each such weight's gradient out in the bucket in that order (N, H, W, C), while the
     codecs index a layer's values as the weight's shape says (N, C, H, W)."""
 
-    def __init__(self, out_dir: str, tag: str, channels_last: bool) -> None:
+    def __init__(self, out_dir: str, tag: str, channels_last: bool, momentum: float = 0.9) -> None:
         super().__init__()
-        self.out_dir, self.tag, self.channels_last = out_dir, tag, channels_last
+        self.out_dir, self.tag, self.channels_last, self.momentum = out_dir, tag, channels_last, momentum
         torch.manual_seed(0)
         self.net = nn.Sequential(
             nn.Conv2d(3, 16, 3, padding=1),
@@ -292,7 +292,7 @@ class ConvClassifier(pl.LightningModule):
         return nn.functional.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=self.momentum)
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(1)
@@ -308,13 +308,19 @@ class ConvClassifier(pl.LightningModule):
         )
 
 
-@pytest.mark.parametrize("codec", ["iwp", "lgc"])
+@pytest.mark.parametrize("codec", ["iwp", "lgc", "topk+momentum"])
 def test_channels_last_weights_and_gradient_bucket_views_train_as_contiguous_ones(tmp_path, codec):
     """A codec whose choices depend on values alone trains the same whatever the memory order of
     the weights, and whether or not DDP makes the gradients views of its buckets. ``iwp`` ranks
     each gradient entry by ``|g| / |w|``: it must pair an entry with its own weight, not with the
-    one at its place in the bucket. ``lgc`` scales and names its values per output channel."""
+    one at its place in the bucket. ``lgc`` scales and names its values per output channel. With
+    momentum correction the codec adds ``weight_decay * w`` to each entry and keeps the velocity
+    (the optimizer then has no momentum of its own)."""
     from reliability_helpers import short_options
+
+    codec, _, extra = codec.partition("+")
+    options = short_options(codec, {"momentum": 0.9, "weight_decay": 0.01} if extra else None)
+    optimizer_momentum = 0.0 if extra else 0.9
 
     runs = {
         "contiguous": (False, {}),
@@ -322,7 +328,7 @@ def test_channels_last_weights_and_gradient_bucket_views_train_as_contiguous_one
         "bucket_views": (True, {"gradient_as_bucket_view": True}),
     }
     for tag, (channels_last, ddp) in runs.items():
-        strategy = CompressedDDPStrategy(codec=codec, codec_options=short_options(codec), start_method="spawn", **ddp)
+        strategy = CompressedDDPStrategy(codec=codec, codec_options=options, start_method="spawn", **ddp)
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=2,
@@ -334,7 +340,7 @@ def test_channels_last_weights_and_gradient_bucket_views_train_as_contiguous_one
             enable_model_summary=False,
             default_root_dir=tmp_path,
         )
-        trainer.fit(ConvClassifier(str(tmp_path), tag, channels_last))
+        trainer.fit(ConvClassifier(str(tmp_path), tag, channels_last, optimizer_momentum))
         assert float(trainer.callback_metrics["gradcomp/compression_ratio"]) > 3  # the last steps compressed
     out = {tag: [torch.load(tmp_path / f"{tag}{r}.pt", weights_only=True) for r in range(2)] for tag in runs}
     assert [r["channels_last"] for r in out["channels_last"]] == [[True] * 3] * 2
