@@ -203,15 +203,12 @@ class CompressedDDPStrategy(DDPStrategy):
         if self.hook_state is None or codec.name == "none" or module is None:
             return
         trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not trainable or any(codec.should_compress(n, p) for n, p in trainable):
+        if not trainable or any(codec.compresses_parameter(n, p) for n, p in trainable):
             return
         largest = max(p.numel() for _, p in trainable)
         rank_zero_warn(
-            f"codec {codec.name!r} compresses none of this model's {len(trainable)} trainable parameters: the "
-            f"largest has {largest:,} entries, below min_numel={codec.harness.min_numel}, or the layer policy "
-            f"(dense_layers={codec.config().get('dense_layers')!r}) keeps them dense, so every gradient is averaged "
-            f"whole, in {codec.harness.dense_dtype}. To compress small layers give a smaller min_numel, e.g. "
-            f"codec_options={{'min_numel': {largest}}}."
+            f"codec {codec.name!r} compresses none of this model's {len(trainable)} trainable parameters: "
+            f"{codec.nothing_compressed_hint(largest)}."
         )
 
     def _adopt_adaptive_optimizer_defaults(self) -> None:

@@ -381,6 +381,11 @@ def test_a_model_the_codec_compresses_nothing_of_is_told_so():
         _strategy_for("topk", nn.Sequential(nn.Linear(64, 64), nn.Linear(16, 4)))._warn_nothing_to_compress()
         _strategy_for("topk", small, min_numel=128)._warn_nothing_to_compress()
         _strategy_for("none", small)._warn_nothing_to_compress()  # compresses nothing by design
+        _strategy_for("powersgd", small, min_compression_rate=1)._warn_nothing_to_compress()
+    # PowerSGD takes every layer (min_numel 0) and torch's hook picks the matrices by its own rule:
+    # no 16 x 8 or 4 x 16 weight is twice as large as its rank-4 factors
+    with pytest.warns(UserWarning, match=r"'powersgd' compresses none .*rank-4 factors are min_compression_rate=2.0"):
+        _strategy_for("powersgd", small)._warn_nothing_to_compress()
 
 
 def test_a_checkpoint_of_before_the_parameter_order_resumes_its_channels_last_residuals_in_place():

@@ -399,6 +399,23 @@ class Codec:
         (``dense_layers``) travel in the fp32 all-reduce."""
         return param.numel() >= max(self.harness.min_numel, 1) and key not in self._dense_keys
 
+    def compresses_parameter(self, key: str, param: Tensor) -> bool:
+        """Whether this codec compresses ``param`` at all, at its most compressed level: what the
+        strategy asks at set-up to warn about a model of which it would compress nothing. By
+        default :meth:`should_compress`; a codec that picks its layers by a rule of its own says so
+        here."""
+        return self.should_compress(key, param)
+
+    def nothing_compressed_hint(self, largest: int) -> str:
+        """Why no parameter is compressed, and what would compress the largest (``largest``
+        entries): the body of the strategy's warning."""
+        return (
+            f"the largest has {largest:,} entries, below min_numel={self.harness.min_numel}, or the layer policy "
+            f"(dense_layers={self.config().get('dense_layers')!r}) keeps them dense, so every gradient is averaged "
+            f"whole, in {self.harness.dense_dtype}. To compress small layers give a smaller min_numel, e.g. "
+            f"codec_options={{'min_numel': {largest}}}"
+        )
+
     def fit_to_run(self, total_steps: int | None) -> None:
         """Learn the run's length in optimizer steps (Lightning's ``estimated_stepping_batches``;
         ``None`` when unknown), so that schedules given as a fraction of the run resolve

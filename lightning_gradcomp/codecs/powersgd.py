@@ -229,6 +229,25 @@ class PowerSGDCodec(AdjustableLevel, MultiRound, Codec):
         s.p_memory_dict.clear()
         s.q_memory_dict.clear()
 
+    def compresses_parameter(self, key: str, param: Tensor) -> bool:
+        """Whether torch's hook compresses ``param`` at the configured rank (the heavy level; a
+        lighter one has a larger rank and compresses no more): a matrix, seen as ``(shape[0], -1)``,
+        whose rank-r factors are ``min_compression_rate`` times smaller than it."""
+        if param.dim() <= 1 or key in self.dense_keys:
+            return False
+        rows = param.shape[0]
+        cols = param.numel() // max(rows, 1)
+        rank = min(rows, cols, self.options.rank)
+        return torch_powersgd._should_compress(rows, cols, rank, self.options.min_compression_rate)[0]
+
+    def nothing_compressed_hint(self, largest: int) -> str:
+        return (
+            f"torch's PowerSGD compresses a weight only when its rank-{self.options.rank} factors are "
+            f"min_compression_rate={self.options.min_compression_rate} times smaller than it, and none is, so every "
+            "gradient is averaged whole. A smaller rank or min_compression_rate (e.g. codec_options="
+            "{'min_compression_rate': 1}) compresses more of them"
+        )
+
     def payload_elements(self, bucket: Any) -> int:
         """Elements PowerSGD sends for ``bucket``, by torch's own per-tensor rule."""
         total = 0
