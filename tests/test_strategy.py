@@ -264,8 +264,9 @@ def test_a_checkpoint_of_another_codec_or_world_size_does_not_load_what_cannot_a
 
 class ConvClassifier(pl.LightningModule):
     """Three convolutions, their weights in ``channels_last`` memory order if asked. DDP then
-    lays each such weight's gradient out in the bucket in that order (N, H, W, C), while the
-    codecs index a layer's values as the weight's shape says (N, C, H, W)."""
+    lays each such weight's gradient out in the bucket in that order (output channel, kernel row,
+    kernel column, input channel), while the codecs index a layer's values as the weight's shape
+    says (output, input, row, column)."""
 
     def __init__(self, out_dir: str, tag: str, channels_last: bool, momentum: float = 0.9) -> None:
         super().__init__()
