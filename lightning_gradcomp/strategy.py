@@ -552,7 +552,7 @@ class CompressedDDPStrategy(DDPStrategy):
         rank_state = dict(rank_state)
         for key, value in rank_state.items():
             kind, _, name = key.partition(".")
-            if kind in ("residual", "momentum") and name in moved and value.numel() == moved[name].numel():
+            if kind in ("residual", "momentum") and name in moved:
                 rank_state[key] = from_bucket_order(value, moved[name])
         rank_zero_warn(
             f"the checkpoint was written before the hook read each gradient in its parameter's order: the residuals "

@@ -84,6 +84,7 @@ def test_codec_runs_on_cpu_and_checkpoint_holds_every_rank(tmp_path):
     ckpt = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
     saved = ckpt["gradcomp"]
     assert saved["codec"] == "topk" and saved["world_size"] == 2 and saved["shared"]["step"] == 10
+    assert saved["parameter_order"] is True  # a resume takes its residuals as they are
     r0, r1 = saved["ranks"]
     assert set(r0) == set(r1) and any(k.startswith("residual.") for k in r0)
     assert any(not torch.equal(r0[k], r1[k]) for k in r0)  # residuals differ per rank
@@ -397,13 +398,23 @@ def test_a_checkpoint_of_before_the_parameter_order_resumes_its_channels_last_re
     import warnings
 
     module = nn.Sequential(nn.Conv2d(3, 4, 2).to(memory_format=torch.channels_last), nn.Linear(5, 6))
+    # not dense: DDP lays its gradient out C-contiguous, so its residual was saved in its own order
+    module.register_parameter("sliced", nn.Parameter(torch.randn(4, 10)[:, ::2]))
+    sliced_residual = torch.randn(20)
     conv = module[0].weight
     true_residual = torch.arange(conv.numel(), dtype=torch.float32).reshape(conv.shape)
     in_memory_order = true_residual.contiguous(memory_format=torch.channels_last).as_strided((conv.numel(),), (1,))
     assert not torch.equal(in_memory_order, true_residual.reshape(-1))  # the test means something
     linear_residual = torch.randn(30)
     saved = _saved_topk_run(1)
-    saved["ranks"] = [{"residual.0.weight": in_memory_order.clone(), "residual.1.weight": linear_residual}]
+    saved["ranks"] = [
+        {
+            "residual.0.weight": in_memory_order.clone(),
+            "residual.1.weight": linear_residual,
+            "momentum.0.weight": 2 * in_memory_order,  # momentum correction's velocity, the same way
+            "residual.sliced": sliced_residual,
+        }
+    ]
 
     strategy = _strategy_for("topk", module)
     with pytest.warns(UserWarning, match=r"before the hook read each gradient in its parameter's order.*1 parameter"):
@@ -411,6 +422,8 @@ def test_a_checkpoint_of_before_the_parameter_order_resumes_its_channels_last_re
     memory = strategy.hook_state.memory
     assert torch.equal(memory.get("0.weight"), true_residual.reshape(-1))
     assert torch.equal(memory.get("1.weight"), linear_residual)
+    assert torch.equal(memory.get("sliced"), sliced_residual)
+    assert torch.equal(strategy.hook_state.momentum_buffers.get("0.weight"), 2 * true_residual.reshape(-1))
 
     saved["parameter_order"] = True  # written by this version: taken as it is, without a word
     strategy = _strategy_for("topk", module)
