@@ -683,3 +683,30 @@ def test_pspnet_miou_is_over_the_classes_seen_and_each_validation_starts_afresh(
     module.confmat.update(label, label)
     module.on_validation_epoch_end()
     assert logged[1] == {"val/miou": 1.0, "val/pixel_acc": 1.0, **{f"val/iou/{c}": 1.0 for c in iou}}
+
+
+def test_digits_split_scaling_loaders_optimizer_and_accuracy():
+    recipe = load_recipe("digits_quickstart")
+    data = recipe.DigitsDataModule(batch_size=8, seed=3)
+    data.setup("fit")
+    (x_train, y_train), (x_test, y_test) = data.train.tensors, data.test.tensors
+    assert (len(y_train), len(y_test)) == (1437, 360)  # 80/20 of scikit-learn's 1,797 digits
+    assert float(torch.cat([x_train, x_test]).min()) == 0.0 and float(torch.cat([x_train, x_test]).max()) == 1.0
+    # stratified: each class holds a fifth of its images in the held-out part
+    every = torch.bincount(torch.cat([y_train, y_test]), minlength=10).float()
+    assert (torch.bincount(y_test, minlength=10) - 0.2 * every).abs().max() <= 1
+    # the split follows the seed (the CLI links it to seed_everything)
+    again, other = recipe.DigitsDataModule(seed=3), recipe.DigitsDataModule(seed=4)
+    again.setup("fit"), other.setup("fit")
+    assert torch.equal(again.test.tensors[1], y_test) and not torch.equal(other.test.tensors[0], x_test)
+    train, val = data.train_dataloader(), data.val_dataloader()
+    assert train.batch_size == 8 and isinstance(train.sampler, torch.utils.data.RandomSampler)
+    assert isinstance(val.sampler, torch.utils.data.SequentialSampler)
+
+    module = recipe.DigitsMLP(hidden=32, lr=0.2)
+    group = module.configure_optimizers().param_groups[0]
+    assert (group["lr"], group["momentum"], group["nesterov"]) == (0.2, 0.9, True)
+    labels = torch.tensor([0, 0, 0, 0, 0, 0, 1, 2])
+    predicted = torch.tensor([0, 0, 0, 0, 0, 0, 2, 1])  # micro accuracy 6/8, not the mean over classes
+    module.val_acc.update(torch.nn.functional.one_hot(predicted, 10).float(), labels)
+    assert float(module.val_acc.compute()) == pytest.approx(6 / 8)
