@@ -697,7 +697,8 @@ def test_digits_split_scaling_loaders_optimizer_and_accuracy():
     assert (torch.bincount(y_test, minlength=10) - 0.2 * every).abs().max() <= 1
     # the split follows the seed (the CLI links it to seed_everything)
     again, other = recipe.DigitsDataModule(seed=3), recipe.DigitsDataModule(seed=4)
-    again.setup("fit"), other.setup("fit")
+    again.setup("fit")
+    other.setup("fit")
     assert torch.equal(again.test.tensors[1], y_test) and not torch.equal(other.test.tensors[0], x_test)
     train, val = data.train_dataloader(), data.val_dataloader()
     assert train.batch_size == 8 and isinstance(train.sampler, torch.utils.data.RandomSampler)
