@@ -25,6 +25,7 @@ from lightning_gradcomp.hook import (
     codec_hook,
     group_device,
 )
+from lightning_gradcomp.hook.state import from_bucket_order, read_in_bucket_order
 from lightning_gradcomp.registry import resolve_codec  # it lived here: this import path still works
 
 __all__ = ["CompressedDDPStrategy", "resolve_codec"]
@@ -543,8 +544,6 @@ class CompressedDDPStrategy(DDPStrategy):
         the residual and momentum of a dense, non-contiguous parameter (a ``channels_last``
         weight) in the order of its memory: put them in the parameter's order, and say that what
         a codec learned of such a layer stays as it was learned."""
-        from lightning_gradcomp.hook.state import from_bucket_order, read_in_bucket_order
-
         module = self.lightning_module
         moved = {n: p for n, p in module.named_parameters() if read_in_bucket_order(p)} if module is not None else {}
         if not moved:

@@ -384,10 +384,11 @@ class CodecHookState:
     # ----------------------------------------------------------------------------------------------
     def process_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         buf = bucket.buffer()
+        params = bucket.parameters()
+        keys = [self.key_of(p) for p in params]
         if buf.is_sparse:  # from a module check_dense_gradients does not know: every rank gets one alike
-            names = [self.key_of(p) for p in bucket.parameters()]
             raise RuntimeError(
-                f"the gradient of {names} reached the hook as a sparse tensor: the gradient codecs, "
+                f"the gradient of {keys} reached the hook as a sparse tensor: the gradient codecs, "
                 f"{self.codec.name!r} included, work on dense gradients; make that gradient dense"
             )
         fallback = self.fallback
@@ -398,8 +399,6 @@ class CodecHookState:
         step = self.step
         # it stays on the device and travels in the message, so no rank waits for it here
         flag = holds_nonfinite(buf).to(torch.float32).reshape(1)
-        keys = [self.key_of(p) for p in bucket.parameters()]
-        params = bucket.parameters()
         layers = list(zip(keys, map(in_parameter_order, bucket.gradients(), params), params))
         bucket_key = f"{keys[0]}..{keys[-1]}[{len(keys)}]" if keys else "empty"
         compress = self.compressing(step) and not fallback.falls_back(bucket_key)
@@ -456,9 +455,7 @@ def in_parameter_order(grad: Tensor, param: Tensor) -> Tensor:
     bucket views are, they are not. A parameter that is not dense (DDP then lays it out
     C-contiguous too) and a contiguous one keep the view they have.
     """
-    if grad.stride() == param.stride() or not _dense(param):
-        return grad
-    return grad.as_strided(param.shape, param.stride())
+    return grad.as_strided(param.shape, param.stride()) if read_in_bucket_order(param) else grad
 
 
 def check_dense_gradients(module: torch.nn.Module) -> None:
@@ -480,9 +477,10 @@ def check_dense_gradients(module: torch.nn.Module) -> None:
 
 
 def read_in_bucket_order(param: Tensor) -> bool:
-    """Whether the hook read ``param``'s gradient permuted before it viewed bucket slices with
-    their parameters' strides (:func:`in_parameter_order`): a dense parameter that is not
-    C-contiguous, such as a ``channels_last`` weight."""
+    """Whether ``param``'s slice of a bucket is in another order than ``GradBucket.gradients()``
+    views it (a dense parameter that is not C-contiguous, such as a ``channels_last`` weight):
+    the hook reads it with the parameter's strides (:func:`in_parameter_order`), and read it
+    permuted before it did."""
     return not param.is_contiguous() and _dense(param)
 
 
