@@ -49,12 +49,12 @@ class TinyClassifier(pl.LightningModule):
             json.dump(facts, f)
 
 
-def _topk_trainer(tmp_path, max_steps: int, **more) -> pl.Trainer:
-    """Two CPU processes, topk at 5 %, no logger or progress bar."""
+def _two_cpu_trainer(tmp_path, strategy: CompressedDDPStrategy, max_steps: int, **more) -> pl.Trainer:
+    """Two CPU processes, no logger or progress bar."""
     return pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=CompressedDDPStrategy(codec="topk", codec_options={"ratio": 0.05}, start_method="spawn"),
+        strategy=strategy,
         max_steps=max_steps,
         logger=False,
         enable_progress_bar=False,
@@ -62,6 +62,12 @@ def _topk_trainer(tmp_path, max_steps: int, **more) -> pl.Trainer:
         default_root_dir=tmp_path,
         **more,
     )
+
+
+def _topk_trainer(tmp_path, max_steps: int, **more) -> pl.Trainer:
+    """Two CPU processes, topk at 5 %, no logger or progress bar."""
+    strategy = CompressedDDPStrategy(codec="topk", codec_options={"ratio": 0.05}, start_method="spawn")
+    return _two_cpu_trainer(tmp_path, strategy, max_steps, **more)
 
 
 def test_codec_runs_on_cpu_and_checkpoint_holds_every_rank(tmp_path):
@@ -331,17 +337,7 @@ def test_channels_last_weights_and_gradient_bucket_views_train_as_contiguous_one
     }
     for tag, (channels_last, ddp) in runs.items():
         strategy = CompressedDDPStrategy(codec=codec, codec_options=options, start_method="spawn", **ddp)
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
-            max_steps=12,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=tmp_path,
-        )
+        trainer = _two_cpu_trainer(tmp_path, strategy, 12, enable_checkpointing=False)
         trainer.fit(ConvClassifier(str(tmp_path), tag, channels_last, optimizer_momentum))
         assert float(trainer.callback_metrics["gradcomp/compression_ratio"]) > 3  # the last steps compressed
     out = {tag: [torch.load(tmp_path / f"{tag}{r}.pt", weights_only=True) for r in range(2)] for tag in runs}
