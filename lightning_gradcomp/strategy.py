@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import logging
 from datetime import timedelta
@@ -43,6 +44,36 @@ def _is_adaptive(param_group: dict[str, Any]) -> bool:
 
 #: how Lightning's DDPStrategy starts the local processes (its ``start_method``)
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+class _DestroyProcessGroupAtExit:
+    """Destroys the default process group when the interpreter exits, unless the last run failed.
+
+    The hook's futures run Python callbacks on the backend's threads (gloo's workers), and such a
+    thread may drop its last reference to a callback just after the step that waited on it. If the
+    interpreter is already shutting down then, the thread cannot take the GIL and the process
+    aborts ("terminate called without an active exception") after a run that finished. Destroying
+    the group at exit, while the interpreter still runs, joins those threads first; Lightning does
+    the same for NCCL only. After a failed run it is left alone: a peer may still wait in a
+    collective that destroying the group would wait for.
+    """
+
+    def __init__(self) -> None:
+        self.registered = False
+        self.last_run_failed = False
+
+    def register(self) -> None:
+        self.last_run_failed = False
+        if not self.registered:
+            atexit.register(self)
+            self.registered = True
+
+    def __call__(self) -> None:
+        if not self.last_run_failed and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+_DESTROY_AT_EXIT = _DestroyProcessGroupAtExit()
 
 
 class CompressedDDPStrategy(DDPStrategy):
@@ -374,6 +405,16 @@ class CompressedDDPStrategy(DDPStrategy):
                         f"weight_decay={group.get('weight_decay', 0)}. Use torch.optim.SGD(params, lr, momentum=0"
                         f"{', weight_decay=0' if weight_decay else ''}) and give them to the codec."
                     )
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        _DESTROY_AT_EXIT.register()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        _DESTROY_AT_EXIT.last_run_failed = True
 
     @override
     def _register_ddp_hooks(self) -> None:

@@ -110,3 +110,66 @@ def test_slurm(tmp_path):
         )
         procs.append(_start([sys.executable, RECIPE, *args], env, tmp_path))
     _check_trained_compressed(tmp_path, _wait(procs), "SLURMEnvironment", 2)
+
+
+EXIT_PROBE = """
+import atexit, json, os, sys
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from lightning_gradcomp import CompressedDDPStrategy
+
+out_dir, fail_at = sys.argv[1], int(sys.argv[2])
+
+
+def record_exit():  # registered before the fit, so it runs after the strategy's own exit handler
+    with open(os.path.join(out_dir, f"exit{trainer.global_rank}.json"), "w") as f:
+        json.dump({"initialized": torch.distributed.is_initialized()}, f)
+
+
+atexit.register(record_exit)
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(64, 64)
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == fail_at:
+            raise RuntimeError("failed on purpose")
+        return self.net(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(64, 64))
+        return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+trainer = pl.Trainer(
+    accelerator="cpu", devices=2, strategy=CompressedDDPStrategy(codec="topk"), max_steps=3, logger=False,
+    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+)
+trainer.fit(Model())
+"""
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["finished", "failed"])
+def test_a_finished_run_destroys_its_process_group_before_the_interpreter_exits(tmp_path, fails):
+    # gloo's worker threads run the hook's Python callbacks; one that drops its last reference to a
+    # callback while the interpreter shuts down aborts the process after a finished run. The strategy
+    # destroys the group at exit, which joins them first; after a failure it leaves the group, since
+    # a peer may still wait in a collective that destroying it would wait for.
+    script = tmp_path / "exit_probe.py"
+    script.write_text(EXIT_PROBE)
+    cmd = [sys.executable, str(script), str(tmp_path), "1" if fails else "-1"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
+    if fails:
+        assert done.returncode != 0 and "failed on purpose" in done.stderr
+        assert json.loads((tmp_path / "exit0.json").read_text()) == {"initialized": True}
+    else:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        for rank in range(2):
+            assert json.loads((tmp_path / f"exit{rank}.json").read_text()) == {"initialized": False}
