@@ -590,16 +590,20 @@ class CompressedDDPStrategy(DDPStrategy):
         if not moved:
             return rank_state
         rank_state = dict(rank_state)
+        converted = set()
         for key, value in rank_state.items():
             kind, _, name = key.partition(".")
             if kind in ("residual", "momentum") and name in moved:
                 rank_state[key] = from_bucket_order(value, moved[name])
-        rank_zero_warn(
-            f"the checkpoint was written before the hook read each gradient in its parameter's order: the residuals "
-            f"and momentum of the {len(moved)} parameter(s) held in another memory order (e.g. channels_last: "
-            f"{', '.join(sorted(moved)[:3])}{', ...' if len(moved) > 3 else ''}) were put in that order; "
-            f"what codec {self.codec.name!r} learned of them is kept as it was learned"
-        )
+                converted.add(name)
+        if converted:  # a codec without error feedback or momentum saved nothing to put in order
+            names = sorted(converted)
+            rank_zero_warn(
+                f"the checkpoint was written before the hook read each gradient in its parameter's order: the "
+                f"residuals and momentum of the {len(names)} parameter(s) held in another memory order (e.g. "
+                f"channels_last: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) were put in that order; "
+                f"what codec {self.codec.name!r} learned of them is kept as it was learned"
+            )
         return rank_state
 
     @classmethod

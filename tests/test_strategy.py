@@ -427,3 +427,13 @@ def test_a_checkpoint_of_before_the_parameter_order_resumes_its_channels_last_re
         warnings.simplefilter("error")
         strategy._apply_checkpoint(strategy.hook_state, saved)
     assert torch.equal(strategy.hook_state.memory.get("0.weight"), in_memory_order)
+
+    # an older checkpoint without a residual or momentum of the channels_last weight (no error
+    # feedback) has nothing to put in order, and nothing to warn of
+    del saved["parameter_order"]
+    saved["ranks"] = [{"residual.1.weight": linear_residual}]
+    strategy = _strategy_for("topk", module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy._apply_checkpoint(strategy.hook_state, saved)
+    assert torch.equal(strategy.hook_state.memory.get("1.weight"), linear_residual)
