@@ -81,7 +81,9 @@ class CompressedDDPStrategy(DDPStrategy):
 
     A :class:`~lightning.pytorch.strategies.DDPStrategy` whose gradient all-reduce is replaced by a
     codec, on CPU (gloo) and GPU (nccl) alike: Lightning's own strategy registers communication
-    hooks only on CUDA, this one always does.
+    hooks only on CUDA, this one always does. When the interpreter exits after a run that
+    finished, it destroys the default process group, whatever the backend (Lightning does so for
+    NCCL only), so that no backend thread still holds one of the hook's callbacks then.
 
     Args:
         codec: a registered codec name (see :func:`lightning_gradcomp.available_codecs`) or a
