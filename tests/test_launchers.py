@@ -5,6 +5,7 @@ compressed hook must run under each as it does under Lightning's default launche
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -12,7 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from dist_utils import free_port
+
+from lightning_gradcomp.strategy import _DestroyProcessGroupAtExit
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = str(REPO / "recipes" / "digits_quickstart.py")
@@ -173,3 +177,21 @@ def test_a_finished_run_destroys_its_process_group_before_the_interpreter_exits(
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         for rank in range(2):
             assert json.loads((tmp_path / f"exit{rank}.json").read_text()) == {"initialized": False}
+
+
+def test_the_exit_handler_registers_once_forgets_an_old_failure_and_leaves_a_destroyed_group_alone(monkeypatch):
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    handler = _DestroyProcessGroupAtExit()
+    handler.register()
+    handler.last_run_failed = True  # a run raised; a later run on the same process finished
+    handler.register()
+    assert registered == [handler] and not handler.last_run_failed
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    handler()
+    assert not dist.is_initialized()
+    handler()  # the user destroyed it already (here: the first call): nothing to do, no error
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    handler.last_run_failed = True
+    handler()
+    assert dist.is_initialized()  # after a failed run the group is left as it is
