@@ -1,7 +1,8 @@
 """The quick start recipe under the launchers a cluster uses: torchrun, two nodes started by hand
 (Lightning's own launcher with ``NODE_RANK``), and SLURM's environment. Each is a real two-process
 gloo run on loopback; Lightning picks the cluster environment from the variables, and the
-compressed hook must run under each as it does under Lightning's default launcher."""
+compressed hook must run under each as it does under Lightning's default launcher. Last, how each
+process of a launch ends: the strategy destroys the process group at exit after a finished run."""
 
 from __future__ import annotations
 
