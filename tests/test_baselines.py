@@ -66,6 +66,17 @@ def test_topk_keeps_exactly_the_largest_entries():
     assert torch.allclose(total, codec.decode(enc.payload, None, 1000, 1) + codec.decode(enc_y.payload, None, 1000, 1))
 
 
+@pytest.mark.parametrize("ratio, light", [(0.01, 0.25), (0.5, 0.5)])
+def test_topk_light_level_keeps_the_warmup_start_and_never_less_than_ratio(ratio, light):
+    codec = make_codec("topk", ratio=ratio)
+    codec.set_level(0.0)
+    assert codec.kept_fraction == pytest.approx(light)
+    codec.set_level(0.5)
+    assert codec.kept_fraction == pytest.approx(math.sqrt(light * ratio))
+    codec.set_level(1.0)
+    assert codec.kept_fraction == pytest.approx(ratio)
+
+
 def test_fp16_error_is_within_half_precision():
     codec = setup_codec("fp16", world=4)
     x = torch.randn(10_000) * 10
@@ -90,6 +101,9 @@ def test_qsgd_is_unbiased_and_bounded(levels, bits):
     assert codes.numel() == packed_nbytes(256, bits)
     decoded = codec.decode(enc.payload, None, 256, 1)
     assert torch.equal(decoded, enc.local)
+    # each chunk travels with its L2 norm (not its largest magnitude: that scale is unbiased too,
+    # but it is another method, with another variance)
+    assert torch.allclose(norms, x.view(-1, 64).norm(dim=1))
     # each entry is a multiple of norm/levels, at most the chunk norm in magnitude
     chunk_norm = norms.repeat_interleave(64)
     assert torch.all(decoded.abs() <= chunk_norm + 1e-6)
@@ -101,6 +115,7 @@ def test_qsgd_draws_are_reproducible_per_step_rank_and_layer():
     assert torch.equal(a.encode(x, "w", x, 7).payload[1], a.encode(x, "w", x, 7).payload[1])
     assert not torch.equal(a.encode(x, "w", x, 7).payload[1], b.encode(x, "w", x, 7).payload[1])
     assert not torch.equal(a.encode(x, "w", x, 7).payload[1], a.encode(x, "w", x, 8).payload[1])
+    assert not torch.equal(a.encode(x, "w", x, 7).payload[1], a.encode(x, "v", x, 7).payload[1])
 
 
 def test_terngrad_is_ternary_and_unbiased_for_the_clipped_gradient():
@@ -116,6 +131,25 @@ def test_terngrad_is_ternary_and_unbiased_for_the_clipped_gradient():
     assert torch.equal(codec.decode(enc.payload, None, 512, 1), enc.local)
     mean = torch.stack([codec.encode(x, "w", x, s).local for s in range(3000)]).mean(0)
     assert torch.allclose(mean, clipped, atol=0.12)
+
+
+def test_terngrad_without_clipping_scales_by_the_largest_magnitude():
+    x = torch.randn(512, generator=torch.Generator().manual_seed(2))
+    for clip in (0.0, math.inf):  # 0 disables clipping, as an unbounded clip does
+        enc = setup_codec("terngrad", clip=clip).encode(x, "w", x, 0)
+        assert float(enc.payload[0]) == float(x.abs().max())
+
+
+def test_terngrad_draws_differ_between_ranks_steps_and_layers():
+    # the same draws on every rank would round every rank's gradient the same way, and the average
+    # over the ranks would keep their whole rounding error instead of 1/N of its variance
+    a, b = setup_codec("terngrad", rank=0), setup_codec("terngrad", rank=1)
+    x = torch.randn(5000)
+    codes = a.encode(x, "w", x, 7).payload[1]
+    assert torch.equal(codes, a.encode(x, "w", x, 7).payload[1])
+    assert not torch.equal(codes, b.encode(x, "w", x, 7).payload[1])
+    assert not torch.equal(codes, a.encode(x, "w", x, 8).payload[1])
+    assert not torch.equal(codes, a.encode(x, "v", x, 7).payload[1])
 
 
 def test_randk_ranks_draw_the_same_positions_and_every_step_new_ones():
