@@ -134,6 +134,33 @@ def test_a_skipped_step_takes_back_what_its_finite_buckets_committed():
     assert torch.equal(plain.get("a"), torch.zeros(3))
 
 
+def test_residual_memory_forgets_what_was_sent_or_discarded_and_refuses_a_changed_model():
+    from lightning_gradcomp.memory import ResidualMemory
+
+    memory = ResidualMemory()
+    memory.set("a", torch.tensor([3.0, 0.0]))
+    memory.set("b", torch.tensor([0.0, 4.0]))
+    assert memory.norm() == pytest.approx(5.0)  # the L2 norm over every residual
+    memory.drop(["a"])  # a's residual travelled in a plain bucket: adding it again would count it twice
+    assert memory.keys() == ["b"] and torch.equal(memory.compensate("a", torch.ones(2)), torch.ones(2))
+    memory.stage("b", torch.zeros(2))
+    memory.discard(["b"])  # the bucket was non-finite: what it staged must never become current
+    memory.commit(["b"])
+    assert torch.equal(memory.get("b"), torch.tensor([0.0, 4.0]))
+    memory.stage("b", torch.zeros(2))
+    memory.reset()
+    memory.commit(["b"])
+    assert memory.keys() == []
+    memory.set("stale", torch.ones(2))
+    saved = {"a": torch.ones(2)}
+    memory.load_state_dict(saved)  # a checkpoint's residuals replace every residual held before
+    memory.scale("a", 2.0)  # in place, as momentum and lr-scaled feedback change residuals
+    assert memory.keys() == ["a"] and torch.equal(saved["a"], torch.ones(2))
+    memory.set("c", torch.zeros(3))
+    with pytest.raises(RuntimeError, match=r"residual of 'c' has shape \(3,\).*\(4,\).*the model changed"):
+        memory.compensate("c", torch.zeros(4))
+
+
 def _nan_in_one_bucket(rank: int, world: int, nonfinite: str, codec: str = "topk", options: dict | None = None) -> dict:
     # a bucket a layer, and a NaN in the first layer's gradient only (as an overflow inside one
     # layer's backward would leave it): the other buckets are finite and settle on their own.
