@@ -19,7 +19,7 @@ from lightning_gradcomp.codecs.positions import (
     union_of,
     union_slots,
 )
-from lightning_gradcomp.codecs.sampling import select_top
+from lightning_gradcomp.codecs.sampling import named_count, select_top
 from lightning_gradcomp.comm import wire_bytes
 from lightning_gradcomp.registry import make_codec
 from tests.dist_utils import run_gloo
@@ -130,6 +130,12 @@ def test_selection_with_ties_keeps_exactly_k_sorted():
     nan = torch.rand(200_000)
     nan[5] = float("nan")
     assert select_top(nan, 500, 0.01).numel() == 500
+
+
+def test_each_rank_names_its_share_of_a_union_support_rounded_up():
+    # rounded down, a layer that keeps one entry would have no rank name any position
+    assert [named_count(k, 2) for k in (1, 7, 8)] == [1, 4, 4]
+    assert [named_count(k, 4) for k in (1, 9, 12)] == [1, 3, 3]
 
 
 def test_root_is_shared_function_of_seed_and_step():

@@ -54,6 +54,8 @@ def test_density_warmup_shrinks_the_kept_fraction_exponentially():
     assert fractions[4:] == [0.01, 0.01]
     assert all(a > b for a, b in zip(fractions[:4], fractions[1:5]))
     assert DensityWarmup(steps=0, start=0.25).fraction(0.01, 2, 2, None) == 0.01  # off
+    # a codec that keeps more than the warm-up starts from is never made sparser by it
+    assert [warm.fraction(0.5, step, first_step=2, total_steps=None) for step in range(2, 8)] == [0.5] * 6
 
 
 @pytest.mark.parametrize("name, option", [("topk", "ratio"), ("iwp", "keep_fraction")])
