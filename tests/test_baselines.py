@@ -88,6 +88,20 @@ def test_fp16_error_is_within_half_precision():
     assert torch.allclose(codec.decode([enc.payload[0] * 4], None, x.numel(), 4), 4 * x, rtol=2e-3, atol=1e-2)
 
 
+def test_fp16_bound_follows_the_world_size_and_compresses_every_layer():
+    codec = setup_codec("fp16", world=4)
+    assert codec.harness.min_numel == 0  # a small layer halves its bytes too
+    # beyond 65504 on a rank, but within range once divided by the 4 ranks: bounded
+    big = torch.tensor([131008.0, -1.0])
+    assert math.isfinite(codec.error_bound(big))
+    assert float((codec.encode(big, "w", big, 0).local - big).norm()) <= codec.error_bound(big)
+    # below half of fp16's smallest step once divided by 4, so it rounds to zero: the floor of the
+    # bound is that half step scaled back by the world size
+    tiny = torch.tensor([3 * 2.0**-25])
+    assert float(codec.encode(tiny, "w", tiny, 0).local[0]) == 0.0
+    assert float(tiny[0]) <= codec.error_bound(tiny)
+
+
 @pytest.mark.parametrize("levels, bits", [(1, 4), (7, 4), (8, 8), (127, 8)])
 def test_qsgd_is_unbiased_and_bounded(levels, bits):
     codec = setup_codec("qsgd", levels=levels, chunk_size=64)
@@ -170,3 +184,7 @@ def test_randk_ranks_draw_the_same_positions_and_every_step_new_ones():
     assert len(drawn) == 150
     assert set().union(*drawn) == set(range(1000))
     assert not torch.equal(ranks[0].encode(xs[0], "v", xs[0], 7).ctx, idx)  # each layer its own draw
+    odd = torch.randn(1005)
+    assert ranks[0].encode(odd, "w", odd, 7).ctx.numel() == 101  # ceil(ratio * n), as every sparsifier
+    # what was not drawn waits in the residual, and momentum factor masking clears the sent positions
+    assert ranks[0].harness.error_feedback and ranks[0].sparse_local

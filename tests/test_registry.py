@@ -30,6 +30,7 @@ def test_unknown_codec_names_the_valid_choices():
         ("topk", {"ratio": 1.5}, "ratio must be in"),
         ("topk", {"sample_fraction": -0.1}, "sample_fraction must be in"),
         ("topk", {"sample_fraction": 1.5}, "sample_fraction must be in"),
+        ("randk", {"ratio": 0.0}, "ratio must be in"),
         ("qsgd", {"levels": 0}, "levels"),
         ("qsgd", {"levels": 300}, "levels must be <= 127"),
         ("qsgd", {"levels": 128}, "levels must be <= 127"),  # 2 * 128 + 1 codes need 9 bits
