@@ -10,8 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_gradcomp.codecs.iwp import IWPCodec, importance, root_rank
+from lightning_gradcomp.codecs.base import CodecContext, RoundContext
+from lightning_gradcomp.codecs.iwp import IWPCodec, _splitmix64, importance, root_rank
 from lightning_gradcomp.codecs.positions import (
+    ENCODINGS,
     choose_encoding,
     decode_positions,
     encode_positions,
@@ -109,6 +111,11 @@ def test_importance_formula_and_zero_weights():
     assert int(importance(a, w, 1e-6).argmax()) == 2  # w = 0 ranks first
     for dtype in (torch.float16, torch.bfloat16):  # half-precision parameters are read in fp32
         assert torch.allclose(importance(a, w.to(dtype), 1e-3), expected)
+    # an infinite weight leaves the guard at eps: the layer's other entries still rank by |a| / |w|
+    w_inf = w.clone()
+    w_inf[1] = float("inf")
+    s = importance(a, w_inf, 1e-3)
+    assert float(s[1]) == 0.0 and torch.allclose(s[[0, 2, 3]], a.abs()[[0, 2, 3]] / (w.abs()[[0, 2, 3]] + 1e-3))
 
 
 def test_sampled_selection_equals_exact_topk():
@@ -138,6 +145,18 @@ def test_each_rank_names_its_share_of_a_union_support_rounded_up():
     assert [named_count(k, 4) for k in (1, 9, 12)] == [1, 3, 3]
 
 
+def test_root_hash_is_splitmix64():
+    # SplitMix64's first three outputs from state 0, the published reference values; the state
+    # wraps at 2^64, so the hash is the same whatever the platform's integer width
+    gamma = 0x9E3779B97F4A7C15
+    assert [_splitmix64(i * gamma % 2**64) for i in range(3)] == [
+        0xE220A8397B1DCDAF,
+        0x6E789E6AA1B965F4,
+        0x06C45D188009454F,
+    ]
+    assert _splitmix64(2**64 - gamma) == 0
+
+
 def test_root_is_shared_function_of_seed_and_step():
     roots = [root_rank(t, 4, "random", seed=7) for t in range(400)]
     assert roots == [root_rank(t, 4, "random", seed=7) for t in range(400)]
@@ -164,6 +183,43 @@ def test_root_is_shared_function_of_seed_and_step():
 def test_invalid_options_name_the_option(opts, match):
     with pytest.raises(ValueError, match=match):
         make_codec("iwp", **opts)
+
+
+def test_light_level_keeps_the_warmup_start_and_never_less_than_keep_fraction():
+    for keep, light in ((1 / 64, 0.25), (0.5, 0.5)):
+        codec = make_codec("iwp", keep_fraction=keep)
+        codec.set_level(0.0)
+        assert codec.kept_fraction == pytest.approx(light)
+        codec.set_level(1.0)
+        assert codec.kept_fraction == pytest.approx(keep)
+
+
+def test_sample_fraction_zero_is_the_exact_selection():
+    codec = make_codec("iwp", keep_fraction=0.01, sample_fraction=0)
+    x, w = torch.randn(50_000), torch.randn(50_000)
+    kept = codec.encode(x, "w", w, step=3).ctx
+    assert torch.equal(kept, torch.topk(importance(x, w, codec.options.eps), 500).indices.sort().values)
+
+
+def test_a_single_process_counts_no_index_bytes():
+    # one rank sends nothing: the positions it picked never leave it
+    codec = make_codec("iwp", keep_fraction=0.1)
+    x = torch.randn(5000)
+    prepared = codec.prepare_bucket([("w", x, x)], RoundContext(3, CodecContext(0, 1, x.device)))
+    assert prepared.nbytes == 0 and codec.last_index_bytes > 0
+    assert prepared.per_layer["w"].numel() == 500
+    # distributed, the positions must come from the root's broadcast, never from a local pick
+    codec.setup(CodecContext(0, 2, x.device))
+    with pytest.raises(RuntimeError, match="prepare_bucket"):
+        codec.encode(x, "w", x, step=3)
+
+
+def test_the_position_code_changes_the_bytes_not_what_is_sent():
+    x, w = torch.randn(20_000), torch.randn(20_000)
+    encs = {e: make_codec("iwp", keep_fraction=0.05, index_encoding=e).encode(x, "w", w, step=3) for e in ENCODINGS}
+    assert all(torch.equal(enc.local, encs["auto"].local) for enc in encs.values())
+    # so a resumed run that codes its positions otherwise is told so, not warned (strategy.py)
+    assert "index_encoding" in make_codec("iwp").lossless_options
 
 
 def test_single_process_keeps_the_most_important_entries():
@@ -252,6 +308,7 @@ def _iwp_worker(rank: int, world: int) -> bytes:
     out = {
         "main": _train(rank, world, RecordingIWP(keep_fraction=0.05, seed=3, min_numel=1024), steps=6),
         "full": _train(rank, world, RecordingIWP(keep_fraction=1.0, min_numel=1024), steps=4),
+        "layer": _train(rank, world, RecordingIWP(keep_fraction=0.05, seed=3, min_numel=1024, scope="layer"), steps=4),
     }
     # plain pickle copies tensor data; the queue's pickler would share memory the exiting worker frees
     return pickle.dumps(out)
@@ -305,6 +362,21 @@ def test_gloo_root_sends_its_most_important_entries(gloo_runs):
         assert torch.equal(got, torch.topk(s, k).indices.sort().values)
         checked += 1
     assert checked >= 4
+
+
+def test_gloo_layer_scope_sends_each_layers_own_most_important_entries(gloo_runs):
+    runs = [r["layer"] for r in gloo_runs]
+    shared = [b for b in runs[0]["hook"] if b["step"] >= 2 and len(b["compressed"]) > 1]
+    assert shared  # a bucket holding two compressed layers: two codes in one broadcast
+    for b in (b for b in runs[0]["hook"] if b["step"] >= 2):
+        step = b["step"]
+        root = root_rank(step, 2, "random", 3)
+        for key in b["compressed"]:
+            (e_root,) = [e for e in runs[root]["enc"] if e["step"] == step and e["key"] == key]
+            (e_other,) = [e for e in runs[1 - root]["enc"] if e["step"] == step and e["key"] == key]
+            k = math.ceil(0.05 * b["numel"][key])
+            expected = torch.topk(importance(e_root["x"], b["w"][key], 1e-6), k).indices.sort().values
+            assert torch.equal(e_root["idx"], expected) and torch.equal(e_other["idx"], expected)
 
 
 def test_gloo_residual_holds_exactly_what_was_not_sent(gloo_runs):

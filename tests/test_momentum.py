@@ -30,6 +30,8 @@ def _train(rank: int, world: int, codec: str, nesterov: bool, steps: int) -> dic
     options = dict(momentum=MOMENTUM, nesterov=nesterov, weight_decay=WD, min_numel=1000, dense_layers="none")
     if codec == "topk":
         options["ratio"] = 0.05
+    elif codec == "iwp":  # each layer its own count, so the layer below keeps ceil(0.05 * 4096)
+        options.update(keep_fraction=0.05, scope="layer")
     state, hook = make_comm_hook(codec, ddp, **options)
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)  # momentum and weight decay live in the codec
@@ -42,7 +44,7 @@ def _train(rank: int, world: int, codec: str, nesterov: bool, steps: int) -> dic
             o.zero_grad()
             nn.functional.cross_entropy(m(x), y).backward()
             o.step()
-        if state.compressing(step) and codec == "topk":
+        if state.compressing(step) and codec != "none":
             key = "2.weight"  # 4,096 values, compressed: where this rank sent, its momentum restarts
             residual = state.memory.residuals[key]
             buffer = state.momentum_buffers.residuals[key]
@@ -54,7 +56,12 @@ def _train(rank: int, world: int, codec: str, nesterov: bool, steps: int) -> dic
 
 def _train_all(rank: int, world: int) -> dict:
     """Every run of this module in one spawn of two ranks."""
-    runs = {"none-heavy-ball": ("none", False, 8), "none-nesterov": ("none", True, 8), "topk": ("topk", True, 6)}
+    runs = {
+        "none-heavy-ball": ("none", False, 8),
+        "none-nesterov": ("none", True, 8),
+        "topk": ("topk", True, 6),
+        "iwp": ("iwp", True, 6),
+    }
     return {name: _train(rank, world, *args) for name, args in runs.items()}
 
 
@@ -69,8 +76,9 @@ def test_lossless_codec_with_momentum_correction_is_sgd_with_momentum(momentum_r
         assert ranks[run]["gap"] < 1e-5, ranks[run]["gap"]
 
 
-def test_topk_masks_the_momentum_where_it_sent(momentum_runs):
-    r = momentum_runs[0]["topk"]
+@pytest.mark.parametrize("codec", ["topk", "iwp"])
+def test_sparse_codecs_mask_the_momentum_where_they_sent(momentum_runs, codec):
+    r = momentum_runs[0][codec]
     assert r["masked"], "no compressed step"
     for sent, on_sent, elsewhere in r["masked"]:
         assert sent >= 205  # ceil(0.05 * 4096) positions sent
