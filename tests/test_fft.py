@@ -2,6 +2,7 @@
 conserving mass in a real 2-process gloo run."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -108,6 +109,19 @@ def test_messages_have_a_fixed_size_and_the_stated_ratio():
     codec.set_level(0.99)
     enc = codec.encode(grad_like(100_000), "w", None, 5)
     assert enc.ctx[2:] == (98 * 6, "indices") and 400_000 / sum(p.numel() * p.element_size() for p in enc.payload) > 150
+    # a block's positions take ceil(log2 513) = 10 bits: 588 of them 735 bytes, beside 1176 one-byte values
+    assert codec.payload_nbytes(100_000) == 2 * 588 + 735
+
+
+def test_layer_positions_take_the_fewest_bits_that_hold_them():
+    # 4 blocks of 30 values: 4 x 16 = 64 coefficients, so a layer-wide position fits 6 bits exactly
+    codec = make_codec("fft", theta=0.9, block_size=30, selection="layer")
+    assert codec.layout(120) == (4, 16, 7, "indices")
+    assert codec.payload_nbytes(120) == 2 * 7 + math.ceil(7 * 6 / 8)
+    out, _ = roundtrip(codec, grad_like(120))
+    assert torch.allclose(
+        out, reference_layer_topk(grad_like(120), 0.9, 30), atol=1e-2 * float(grad_like(120).abs().max())
+    )
 
 
 def test_aggregate_is_the_sum_of_decodes():
@@ -132,6 +146,10 @@ def test_theta_is_a_live_knob_capped_by_the_compression_limit():
     assert (fresh.theta, fresh.compression_limit) == (0.5, 0.3)
     with pytest.raises(ValueError, match="compression_limit"):
         codec.compression_limit = 1.5
+    with pytest.raises(ValueError, match="theta"):  # theta = 1 would drop every coefficient
+        codec.set_level(1.0)
+    with pytest.raises(ValueError, match=r"does not know the state entries \['rank'\]"):
+        fresh.load_state_dict({**state, "rank": 2})
 
 
 @pytest.mark.parametrize(

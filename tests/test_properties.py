@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from codec_driver import round_trip, set_up, warm_up
+from codec_driver import one_rank_group, round_trip, set_up, warm_up
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -41,6 +41,7 @@ CASES: dict[str, tuple[str, dict, object]] = {
     "topk": ("topk", {}, None),
     "rangefloat": ("rangefloat", {}, None),
     "fft": ("fft", {}, None),
+    "fft@layer": ("fft", {"selection": "layer"}, None),  # a sampled threshold over the whole layer
     "iwp": ("iwp", {}, None),
     "powersgd": ("powersgd", {"rank": 2}, None),
     "gradiveq": ("gradiveq", {}, None),
@@ -84,6 +85,7 @@ def _fresh(case: str) -> tuple[Codec, int]:
     codec, step = _warmed(case)
     codec = copy.deepcopy(codec)
     if codec.collective == "custom":  # torch's PowerSGD state holds the process group: made anew
+        one_rank_group()  # conftest destroys the group after every test, the cached codec outlives it
         codec.setup(codec.context)
     return codec, step
 
@@ -118,6 +120,19 @@ def test_every_codec_round_trips_within_its_stated_bound(
     if bound is not None and math.isfinite(bound):
         err = float((x.double() - local.double()).norm())
         assert err <= bound, f"{case}: error {err} above its stated bound {bound} (n={n}, scale={scale})"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_encoding_leaves_the_global_generator_alone(case: str) -> None:
+    # a codec draws from generators of its own (seeded by seed, rank, step and layer): the user's
+    # random stream (dropout, augmentation, each rank's data) must not depend on the codec. The
+    # layer is large enough for every sampled selection to sample (1 % of at least 102,400
+    # entries: fft@layer selects among its 200,000 coefficients)
+    codec, step = _fresh(case)
+    x = torch.randn(400_000, generator=torch.Generator().manual_seed(3))
+    before = torch.get_rng_state()
+    round_trip(codec, x, "layer", torch.ones(400_000), step)
+    assert torch.equal(torch.get_rng_state(), before), f"{case} drew from torch's global generator"
 
 
 def test_stated_bounds_are_tight_enough() -> None:
