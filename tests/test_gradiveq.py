@@ -53,7 +53,7 @@ def fitted_codec(world: int = 1, n: int = 2000, steps: int = 3, **opts) -> tuple
         ({"max_samples": 0}, "max_samples"),
         ({"basis": "global"}, "basis"),
         ({"quant_levels": -1}, "quant_levels"),
-        ({"quant_levels": 2**23}, "quant_levels"),
+        ({"quant_levels": 2**22}, r"quant_levels must be in \[0, 4194303\]"),  # one past the largest
         ({"quant_scale": "tensor"}, "quant_scale"),
         ({"quant_rounding": "up"}, "quant_rounding"),
         ({"min_numel": -5}, "min_numel"),
@@ -111,6 +111,63 @@ def test_fit_pca_is_orthonormal_signed_deterministic_and_exact_on_low_rank_data(
     assert u3.shape[1] == 3
     u1, _, ev1 = fit_pca(x, 16, 1e-6, center=False)
     assert u1.shape[1] == 1 and 0 < float(ev1) < 1
+    # a layer whose samples are all zero loses nothing: its basis explains all of it
+    u0, _, ev0 = fit_pca(torch.zeros(10, 16), 2, None, center=False)
+    assert float(ev0) == 1.0 and u0.shape == (16, 2)
+
+
+def test_components_never_exceed_the_slice_at_any_level():
+    assert make_codec("gradiveq", slice_dim=2).configured_components == 2  # the default 4 capped at d
+    codec = make_codec("gradiveq")
+    codec.set_level(0.0)
+    assert codec.num_components == 16  # four times the configured 4 at the light level
+    codec = make_codec("gradiveq", num_components=32)
+    codec.set_level(0.0)
+    assert codec.num_components == 64  # four times 32 capped at the slice's 64
+    codec.set_level(1.0)
+    assert codec.num_components == 32
+
+
+def test_every_rank_samples_the_same_slices_of_the_aggregated_gradient():
+    # the aggregate is the same on every rank, and so must be the rows kept of it, or the bases
+    # would differ; a window of 4 steps keeps ceil(102 / 4) = 26 of each step's 1,000 slices
+    g = torch.randn(64 * 1000, generator=torch.Generator().manual_seed(0))
+    kept = []
+    for rank in (0, 1):
+        codec = make_codec("gradiveq", basis_source="aggregate", warmup_steps=4, max_samples=102)
+        codec.setup(CodecContext(rank, 2, torch.device("cpu")))
+        codec.observe_dense("w", g, 0)
+        kept.append(codec.state_dict()["samples"]["w"][0])
+    assert kept[0].shape == (26, 64) and torch.equal(kept[0], kept[1])
+
+
+def test_the_leader_refits_every_refit_every_steps_from_the_first_compressed_one():
+    codec = make_codec("gradiveq", refit_every=3)
+    codec.setup(CodecContext(0, 1, torch.device("cpu")))
+    x = torch.randn(64 * 50, generator=torch.Generator().manual_seed(0))
+    fits = []
+    for step in range(2, 10):
+        prepared = codec.prepare_bucket([("w", x, x)], RoundContext(step, codec.context))
+        assert prepared.nbytes == 0  # one rank sends neither bases nor scales
+        fits.append(codec.fits)
+    assert fits == [1, 1, 1, 2, 2, 2, 3, 3]  # steps 2, 5 and 8
+
+
+def test_a_skipped_step_puts_back_the_bases_its_fit_replaced_and_a_kept_one_keeps_them():
+    codec = make_codec("gradiveq")
+    codec.setup(CodecContext(0, 1, torch.device("cpu")))
+    g = torch.Generator().manual_seed(0)
+    x1, x2 = torch.randn(64 * 50, generator=g), torch.randn(64 * 50, generator=g)
+    codec.prepare_bucket([("w", x1, x1)], RoundContext(2, codec.context, revertible=True))
+    codec.end_step(discarded=False)
+    first = codec.state_dict()["bases"]["w"]
+    codec.prepare_bucket([("w", x2, x2)], RoundContext(3, codec.context, revertible=True))
+    codec.end_step(discarded=False)  # a step that was applied keeps its fit
+    second = codec.state_dict()["bases"]["w"]
+    assert codec.fits == 2 and not torch.equal(first, second)
+    codec.prepare_bucket([("w", x1, x1)], RoundContext(4, codec.context, revertible=True))
+    codec.end_step(discarded=True)  # a skipped step's fit is undone
+    assert codec.fits == 2 and torch.equal(codec.state_dict()["bases"]["w"], second)
 
 
 def test_schedule_windows_and_refits():

@@ -669,10 +669,11 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
             return Prepared(sent)
         sizes = [a.numel() for a in amax]
         vec = torch.cat(amax).to(torch.float32)
-        if self.world_size > 1:
+        if self.world_size > 1:  # one rank's scale is already the shared one: nothing travels
             self.context.all_reduce(vec, "max")
+            sent += vec.numel() * vec.element_size()
         shared = {key: _SharedScale(a, c) for key, a, c in zip(keys, vec.split(sizes), coefs)}
-        return Prepared(sent + vec.numel() * vec.element_size(), shared)
+        return Prepared(sent, shared)
 
     def _local_scale(self, c: Tensor) -> Tensor:
         """This rank's ``max |c|``: per component (``k`` values) or for the whole layer (one)."""
