@@ -1,13 +1,16 @@
 """Exact properties of the baseline codecs and the shared packing helpers (single process)."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
+from codec_driver import LayerBucket, set_up
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_gradcomp import CodecContext, make_codec
+from lightning_gradcomp.codecs.base import RoundContext
 from lightning_gradcomp.codecs.bits import pack_bits, packed_nbytes, unpack_bits
 from lightning_gradcomp.comm import pack, unpack, wire_bytes
 
@@ -180,3 +183,42 @@ def test_randk_ranks_draw_the_same_positions_and_every_step_new_ones():
     assert ranks[0].encode(odd, "w", odd, 7).ctx.numel() == 101  # ceil(ratio * n), as every sparsifier
     # what was not drawn waits in the residual, and momentum factor masking clears the sent positions
     assert ranks[0].harness.error_feedback and ranks[0].sparse_local
+
+
+# --------------------------------------------------------------------------------------------------
+# powersgd: the wrapper's own rules around torch's hook (its exchange is torch's, tested in
+# test_hook_gloo and test_callback_threads)
+def test_powersgd_compresses_the_matrices_torch_compresses():
+    codec = make_codec("powersgd")  # rank 4, min_compression_rate 2
+    assert codec.compresses_parameter("w", torch.zeros(64, 64))
+    assert not codec.compresses_parameter("b", torch.zeros(10_000))  # vectors travel whole
+    assert not codec.compresses_parameter("w", torch.zeros(4, 8))  # rank-4 factors are not 2x smaller
+    # torch caps the rank at the smaller side: a 3 x 1000 matrix at rank 3 costs 3,009 for 3,000
+    assert make_codec("powersgd", min_compression_rate=0.75).compresses_parameter("w", torch.zeros(3, 1000))
+    grads = SimpleNamespace(gradients=lambda: [torch.zeros(64, 64), torch.zeros(64)])
+    assert codec.payload_elements(grads) == (64 + 64) * 4 + 64  # the factors, and the bias whole
+
+
+def test_powersgd_counts_the_non_finite_flag_and_a_new_rank_drops_p_and_q():
+    codec = set_up(make_codec("powersgd", rank=2))
+    grad, param = torch.randn(64 * 32, generator=torch.Generator().manual_seed(0)), torch.ones(64, 32)
+    recorded: list[dict] = []
+    rc = RoundContext(2, codec.context, record=lambda **stats: recorded.append(stats))
+    codec.communicate_bucket(LayerBucket(grad.clone(), param), [], torch.zeros(1), rc).wait()
+    assert recorded[0]["payload_bytes"] == 4 * (64 + 32) * 2 + 4  # P and Q, and the 4-byte flag
+    state = codec._torch_state
+    assert state.q_memory_dict[0].numel() == 32 * 2  # torch keeps a bucket's Qs flat
+    codec.set_level(0.0)  # rank 8: P and Q of rank 2 cannot be reused
+    assert state.matrix_approximation_rank == 8 and not state.p_memory_dict and not state.q_memory_dict
+    codec.communicate_bucket(
+        LayerBucket(grad.clone(), param), [], torch.zeros(1), RoundContext(3, codec.context)
+    ).wait()
+    assert state.q_memory_dict[0].numel() == 32 * 8
+
+
+def test_powersgd_refuses_what_would_double_torchs_own_state():
+    with pytest.raises(ValueError, match="use use_error_feedback, not error_feedback"):
+        make_codec("powersgd", error_feedback=True)
+    with pytest.raises(ValueError, match="cannot take momentum correction"):
+        make_codec("powersgd", momentum=0.9)
+    assert make_codec("powersgd").harness.min_numel == 0  # torch's own rule picks the matrices
