@@ -222,3 +222,21 @@ def test_powersgd_refuses_what_would_double_torchs_own_state():
     with pytest.raises(ValueError, match="cannot take momentum correction"):
         make_codec("powersgd", momentum=0.9)
     assert make_codec("powersgd").harness.min_numel == 0  # torch's own rule picks the matrices
+
+
+def test_powersgd_skipped_step_draws_the_same_fresh_q_again():
+    # a first compressed step draws Q from torch's seeded generator; if the step is skipped (a NaN
+    # on some rank), the generator goes back with P, Q and the error, so the next try draws alike
+    codec = set_up(make_codec("powersgd", rank=2))
+    state = codec._torch_state
+    grad, param = torch.randn(64 * 32, generator=torch.Generator().manual_seed(0)), torch.ones(64, 32)
+
+    def first_step() -> torch.Tensor:
+        rc = RoundContext(2, codec.context, revertible=True)
+        codec.communicate_bucket(LayerBucket(grad.clone(), param), [], torch.zeros(1), rc).wait()
+        return state.q_memory_dict[0].clone()
+
+    q = first_step()
+    assert codec.end_step(discarded=True) == [0]
+    assert not state.q_memory_dict and not state.error_dict
+    assert torch.equal(first_step(), q)
