@@ -52,9 +52,12 @@ def set_up(codec: Codec) -> Codec:
     return codec
 
 
-def round_trip(codec: Codec, x: Tensor, key: str, param: Tensor, step: int) -> tuple[EncodeResult | None, Tensor]:
-    """One compressing step: ``(encoding, what the other ranks decode from this payload alone)``."""
-    rc = RoundContext(step, codec.context)
+def round_trip(
+    codec: Codec, x: Tensor, key: str, param: Tensor, step: int, rc: RoundContext | None = None
+) -> tuple[EncodeResult | None, Tensor]:
+    """One compressing step: ``(encoding, what the other ranks decode from this payload alone)``.
+    ``rc``: the step's round context (its statistics sink, whether it may be skipped), if not a plain one."""
+    rc = RoundContext(step, codec.context) if rc is None else rc
     if codec.collective_at(step) == "custom":
         assert isinstance(codec, MultiRound)
         grad = x.clone()

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from codec_driver import set_up
 from dist_utils import run_gloo
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -142,8 +143,7 @@ def test_every_rank_samples_the_same_slices_of_the_aggregated_gradient():
 
 
 def test_the_leader_refits_every_refit_every_steps_from_the_first_compressed_one():
-    codec = make_codec("gradiveq", refit_every=3)
-    codec.setup(CodecContext(0, 1, torch.device("cpu")))
+    codec = set_up(make_codec("gradiveq", refit_every=3))
     x = torch.randn(64 * 50, generator=torch.Generator().manual_seed(0))
     fits = []
     for step in range(2, 10):
@@ -154,8 +154,7 @@ def test_the_leader_refits_every_refit_every_steps_from_the_first_compressed_one
 
 
 def test_a_skipped_step_puts_back_the_bases_its_fit_replaced_and_a_kept_one_keeps_them():
-    codec = make_codec("gradiveq")
-    codec.setup(CodecContext(0, 1, torch.device("cpu")))
+    codec = set_up(make_codec("gradiveq"))
     g = torch.Generator().manual_seed(0)
     x1, x2 = torch.randn(64 * 50, generator=g), torch.randn(64 * 50, generator=g)
     codec.prepare_bucket([("w", x1, x1)], RoundContext(2, codec.context, revertible=True))

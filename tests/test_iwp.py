@@ -185,15 +185,6 @@ def test_invalid_options_name_the_option(opts, match):
         make_codec("iwp", **opts)
 
 
-def test_light_level_keeps_the_warmup_start_and_never_less_than_keep_fraction():
-    for keep, light in ((1 / 64, 0.25), (0.5, 0.5)):
-        codec = make_codec("iwp", keep_fraction=keep)
-        codec.set_level(0.0)
-        assert codec.kept_fraction == pytest.approx(light)
-        codec.set_level(1.0)
-        assert codec.kept_fraction == pytest.approx(keep)
-
-
 def test_sample_fraction_zero_is_the_exact_selection():
     codec = make_codec("iwp", keep_fraction=0.01, sample_fraction=0)
     x, w = torch.randn(50_000), torch.randn(50_000)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -56,6 +58,20 @@ def test_density_warmup_shrinks_the_kept_fraction_exponentially():
     assert DensityWarmup(steps=0, start=0.25).fraction(0.01, 2, 2, None) == 0.01  # off
     # a codec that keeps more than the warm-up starts from is never made sparser by it
     assert [warm.fraction(0.5, step, first_step=2, total_steps=None) for step in range(2, 8)] == [0.5] * 6
+
+
+@pytest.mark.parametrize("name, option", [("topk", "ratio"), ("iwp", "keep_fraction")])
+@pytest.mark.parametrize("kept, light", [(0.01, 0.25), (0.5, 0.5)])
+def test_sparsifiers_light_level_keeps_the_warmup_start_and_never_less_than_the_configured_fraction(
+    name, option, kept, light
+):
+    codec = make_codec(name, **{option: kept})
+    codec.set_level(0.0)
+    assert codec.kept_fraction == pytest.approx(light)
+    codec.set_level(0.5)
+    assert codec.kept_fraction == pytest.approx(math.sqrt(light * kept))
+    codec.set_level(1.0)
+    assert codec.kept_fraction == pytest.approx(kept)
 
 
 @pytest.mark.parametrize("name, option", [("topk", "ratio"), ("iwp", "keep_fraction")])
