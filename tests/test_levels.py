@@ -94,6 +94,51 @@ def test_nearest_is_the_binary_search_over_the_midpoints_whichever_way_it_counts
     assert torch.equal(levels.nearest(m, lv), torch.bucketize(m, midpoints))
 
 
+def test_relative_magnitudes_divide_each_message_by_its_own_rms():
+    # a row is one message: a row a hundred times larger must come out in the same units
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(2, 500, generator=g)
+    v[1] *= 100
+    m = levels.relative_magnitudes(v).reshape(2, 500)
+    assert m.pow(2).mean(1).sqrt().tolist() == pytest.approx([1.0, 1.0], rel=1e-5)
+    assert torch.allclose(m * v.pow(2).mean(1, keepdim=True).sqrt(), v.abs(), rtol=1e-5)
+
+
+def test_levels_fitted_on_no_magnitudes_decode_a_value_to_the_messages_rms():
+    fitted = levels.fit_levels(torch.empty(0), 4)
+    assert fitted.tolist() == [1.0] * 4
+    v = torch.tensor([3.0, -1.0, 0.5])
+    rms, codes = levels.quantize(v, fitted)
+    assert levels.dequantize(rms, codes, fitted).tolist() == pytest.approx((rms * torch.sign(v)).tolist())
+
+
+def test_role_parts_give_a_rank_a_second_message_only_for_positions_it_did_not_name():
+    v = torch.arange(12.0).reshape(2, 6)
+    assert levels.role_parts(v, 1) == [(0, levels.OTHERS, None), (1, levels.LEADER, None)]
+    named = torch.tensor([[True] * 6, [True, False, True, False, False, False]])
+    parts = levels.role_parts(v, named)
+    # rank 0 named every position: one message, on the leader's row; rank 1 one on each row
+    assert [(r, rl) for r, rl, _ in parts] == [(0, levels.LEADER), (1, levels.LEADER), (1, levels.OTHERS)]
+    assert parts[0][2].tolist() == [True] * 6
+    assert parts[1][2].tolist() == named[1].tolist() and parts[2][2].tolist() == (~named[1]).tolist()
+
+
+@pytest.mark.parametrize("union", [False, True])
+def test_aggregate_errors_are_in_units_of_the_leaders_rms(union):
+    """The gate compares layers by these numbers: both the error and the aggregate's norm are
+    divided by the RMS of what the leader's row codes (not, say, its mean magnitude)."""
+    v = torch.tensor([[4.0, 0.0, 0.0, 2.0], [0.5, -0.5, 1.0, 0.0]])
+    lead = torch.tensor([[True, False, False, True], [False, True, True, False]]) if union else 0
+    picked = v[lead] if union else v[0]
+    scale2 = float(picked.pow(2).mean())
+    table = torch.tensor([[0.5, 1.0, 1.5, 2.0], [0.5, 1.0, 1.5, 2.0]])
+    (err, ref) = levels.aggregate_errors([("w", 0, lead, 4, v)], {"w": table})["w"]
+    assert ref == pytest.approx(float(v.mean(0).pow(2).sum()) / scale2, rel=1e-6)
+    # the same sample ten times larger reads the same in these units
+    (err10, ref10) = levels.aggregate_errors([("w", 0, lead, 4, 10 * v)], {"w": table})["w"]
+    assert (err10, ref10) == pytest.approx((err, ref), rel=1e-5)
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3, 8])
 def test_message_round_trip_decodes_to_the_nearest_level_with_the_sign(bits):
     g = torch.Generator().manual_seed(bits)
