@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ import torch.nn as nn
 from dist_utils import run_gloo
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_gradcomp import CodecContext, CompressedDDPStrategy, make_codec, make_comm_hook
+from lightning_gradcomp import CodecContext, CompressedDDPStrategy, comm, make_codec, make_comm_hook
+from lightning_gradcomp.codecs import auto
 from lightning_gradcomp.codecs.auto import BucketCosts, LinkModel, choose_plan, predict_step, rank_plans
 
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
@@ -35,6 +37,96 @@ def test_predicted_step_follows_the_formula():
     # heavy b0: encoded by 10 ms, on the link 1 + 6.4 ms, decoded 2 ms later; b1 (heavy) arrives at
     # 10 + 50 + 10 ms, its collective ends 1 + 1.6 ms later, decoded 2 ms later
     assert predict_step((2, 2), [b0, b1], link) == pytest.approx(0.070 + 0.001 + 0.0016 + 0.002)
+
+
+def test_an_early_buckets_long_decoding_ends_the_step_after_later_buckets():
+    # b0's result needs 300 ms of decoding, longer than b1's arrival, collective and decoding
+    b0 = bucket("b0", 1_000_000, 0.0, [0.0], [0.3], [1e6])
+    b1 = bucket("b1", 1_000_000, 0.01, [0.0], [0.0], [1e6])
+    link = LinkModel(0.001, 100 * MBIT)
+    # b0 on the link 1 + 80 ms, then decoded 300 ms; b1 done at 0.081 + 0.081 = 0.162
+    assert predict_step((0, 0), [b0, b1], link) == pytest.approx(0.081 + 0.3)
+
+
+def test_the_link_is_timed_as_the_slowest_ranks_latency_and_the_large_probes_extra_time(monkeypatch):
+    """Latency is the one-float all-reduce's time, bandwidth the ring bytes of the large one over
+    the time it takes beyond the small one's, each the slowest rank's (a virtual clock: every
+    all-reduce of a probe advances it; the other rank's small probe took 10 ms)."""
+    now = [0.0]
+
+    class Context:
+        device, world_size = torch.device("cpu"), 2
+
+        def all_reduce(self, t, op="sum"):
+            if op == "max":  # the ranks' times: the other rank's (10 ms, 0 s) against ours
+                t.copy_(torch.maximum(t, torch.tensor([0.010, 0.0], dtype=t.dtype)))
+            else:  # a probe: 2 ms, and its bytes at 100 Mbit/s
+                now[0] += 0.002 + t.numel() * 4 / (100 * MBIT)
+
+    monkeypatch.setattr(auto.time, "perf_counter", lambda: now[0])
+    link = auto.time_link(Context(), probe_bytes=1 << 20)
+    assert link.latency_s == pytest.approx(0.010)
+    ring = comm.wire_bytes("allreduce", 1 << 20, 2)
+    assert link.bytes_per_s == pytest.approx(ring / (0.002 + (1 << 20) / (100 * MBIT) - 0.010))
+
+
+def test_a_buckets_result_time_starts_when_it_could_first_arrive_and_a_failed_step_times_nothing():
+    """``r``, a bucket's time from its hook body's end to its result, counts from the previous
+    bucket's result where that came later (results arrive in order); a step with a bucket whose
+    result never arrived gives no step time and, from that bucket on, no sample (marks are
+    perf_counter readings on a CPU)."""
+    codec = make_codec("auto")
+    codec._marks = [
+        ["b0", 2, 10.000, 10.002, 10.100, SimpleNamespace(wire=500.0)],
+        ["b1", 2, 10.050, 10.052, 10.120, SimpleNamespace(wire=300.0)],
+    ]
+    assert codec._read_marks(step=5) > 0
+    assert codec._samples[(2, "b0")][-1] == pytest.approx((0.002, 0.098, 500.0))
+    assert codec._samples[(2, "b1")][-1] == pytest.approx((0.002, 0.020, 300.0))  # from b0's result
+    assert list(codec._gaps["b1"]) == pytest.approx([0.048]) and codec._order == ["b0", "b1"]
+    codec._marks = [
+        ["b0", 2, 20.000, 20.002, None, SimpleNamespace(wire=500.0)],
+        ["b1", 2, 20.050, 20.052, 20.120, SimpleNamespace(wire=300.0)],
+    ]
+    assert codec._read_marks(step=6) is None  # no step time for a trial
+    assert len(codec._samples[(2, "b1")]) == 1 and len(codec._gaps["b1"]) == 1
+
+
+def test_every_allowed_arm_is_timed_for_probe_steps_steps_in_turn():
+    codec = make_codec("auto", probe_steps=3)  # arms: none, fp16, gradiveq at 0, 0.5 and 1
+    assert codec.exploring_arm() == 1  # plain's costs come from the link model
+    codec.explored[1] = 2
+    assert codec.exploring_arm() == 1
+    codec.explored[1] = 3
+    assert codec.exploring_arm() == 2
+    codec.explored = [3] * 5
+    assert codec.exploring_arm() is None
+
+
+def test_a_candidate_is_at_level_one_unless_it_names_one():
+    assert make_codec("auto", candidates="none, fp16, gradiveq, gradiveq:0.25").arm_levels == [0.0, 0.0, 1.0, 0.25]
+
+
+def test_every_compressing_arm_keeps_what_it_drops_for_the_buckets_next_arm():
+    codec = make_codec("auto")
+    for name, arm in zip(codec.options.candidates, codec.arms):
+        assert arm.harness.error_feedback == (name != "none"), name
+
+
+def test_a_resume_keeps_the_plan_made_at_its_level_or_times_the_arms_again_if_saved_while_timing():
+    planned = make_codec("auto")
+    planned.set_level(0.5)
+    planned.plan, planned.kept, planned.explored = {"b0": 3}, {"b0": 3}, [2, 2, 2, 2, 0]
+    resumed = make_codec("auto")
+    resumed.load_state_dict(copy.deepcopy(planned.state_dict()))
+    # the plan was made for the level the checkpoint holds: no re-plan at the next step's end
+    assert resumed.compression_level == 0.5 and resumed._replan is None
+    assert resumed.planned and resumed.plan == {"b0": 3} and resumed.explored == [2, 2, 2, 2, 0]
+    timing = make_codec("auto")
+    timing.explored = [2, 2, 1, 0, 0]  # saved in the middle of timing the arms
+    resumed = make_codec("auto")
+    resumed.load_state_dict(copy.deepcopy(timing.state_dict()))
+    assert resumed.explored == [2, 0, 0, 0, 0] and resumed.exploring_arm() == 1
 
 
 def test_the_plan_follows_the_link():
@@ -184,7 +276,11 @@ def test_bad_options_are_refused_before_any_process_starts():
     with pytest.raises(ValueError, match="has no adjustable level"):
         make_codec("auto", candidates=["none", "randk:0.5"])
     with pytest.raises(ValueError, match="slack"):
-        make_codec("auto", slack=1.5)
+        make_codec("auto", slack=1.0)
+    with pytest.raises(ValueError, match="level of candidate 'gradiveq:1.5'"):
+        make_codec("auto", candidates=["none", "gradiveq:1.5"])
+    with pytest.raises(ValueError, match="probe_bytes must be at least 4096"):
+        make_codec("auto", probe_bytes=1024)
     with pytest.raises(ValueError, match="momentum"):
         make_codec("auto", momentum=0.9)
     # a comma-separated string, as YAML and the command line give it
