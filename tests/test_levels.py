@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 from types import SimpleNamespace
@@ -317,15 +318,34 @@ def _train_levels(
     rows = []
     total = WARMUP + COLLECT + stage3
     at_switch = {}
+    # this rank's own gradient, from a copy of the model outside DDP: what the rank compensated,
+    # less what stays in its residual, is what it sent
+    local_model = copy.deepcopy(model)
+    coded = [n for n, p in model.named_parameters() if p.numel() >= 1000]
     for step in range(total):
         if light_collect:
             state.codec.set_level(0.0 if step < WARMUP + COLLECT or step == total - 1 else 1.0)
         x = torch.randn(32, 64, generator=shared) + 0.3 * torch.randn(32, 64, generator=own)
         y = torch.randint(0, 10, (32,), generator=shared)
+        local_model.load_state_dict(model.state_dict())
+        local_model.zero_grad()
+        nn.functional.cross_entropy(local_model(x), y).backward()
+        own_grads = dict(local_model.named_parameters())
+        held = {k: v.clone() for k, v in state.memory.residuals.items()}
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
         st = state.stats.pop()
         residual_sq = sum(float(r.double().pow(2).sum()) for r in state.memory.residuals.values())
+        sent = torch.cat(
+            [
+                own_grads[n].grad.reshape(-1)
+                + held.get(n, torch.zeros(1)).reshape(-1)
+                - state.memory.residuals.get(n, torch.zeros(1)).reshape(-1)
+                for n in coded
+            ]
+        )
+        dist.all_reduce(sent)  # every rank's share, summed
+        mean = torch.cat([p.grad.reshape(-1) for n, p in model.named_parameters() if n in coded])
         grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         rank0 = grads.clone()
         dist.broadcast(rank0, 0)
@@ -337,6 +357,8 @@ def _train_levels(
                 "err_sq": st.err_sq,
                 "residual_sq": residual_sq,
                 "identical": torch.equal(grads, rank0),
+                # the mean the step delivered is the ranks' shares as each rank accounted for it
+                "sent_error": float((sent / world - mean).norm() / mean.norm().clamp_min(1e-30)),
                 "grads": grads,
             }
         )
@@ -382,6 +404,7 @@ def _assert_every_layer_coded_on_identical_ranks(r: dict, coded: int = 3) -> Non
     for row in rows[WARMUP + COLLECT :]:
         assert row["used"] == (coded, 3)
         assert row["err_sq"] == pytest.approx(row["residual_sq"], rel=1e-6)
+        assert row["sent_error"] < 1e-5
 
 
 def test_levels_carry_every_layer_identically_on_two_ranks_with_exact_error_feedback():

@@ -853,3 +853,57 @@ def test_the_autoencoders_gate_reads_its_error_on_held_out_steps():
     assert reported == aec.recon_error(ae, "rar", held_out, cpu, lambda numel: 1)
     (e_train, r_train), (e_held, r_held) = aec.recon_error(ae, "rar", train, cpu, lambda n: 1)["w"], reported["w"]
     assert e_train / r_train < e_held / r_held  # (0.47 against 1.13 here)
+
+
+# --------------------------------------------------------------------------------------------------
+# the leader: who chooses the shared support
+LEAD_N, LEAD_K = 4000, 40
+
+
+class _Linear1d(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(LEAD_N))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return (self.weight * t).sum()
+
+
+def _leader_run(rank: int, world: int) -> list[list[int]]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_gradcomp.api import make_comm_hook
+
+    model = _Linear1d()
+    ddp = DDP(model)
+    opts = dict(warmup_steps=0, ae_train_steps=100, ratio=LEAD_K / LEAD_N, min_numel=1000, dense_layers="none")
+    state, hook = make_comm_hook("lgc", ddp, **opts)
+    ddp.register_comm_hook(state, hook)
+    # each rank's gradient is large on its own LEAD_K positions and tiny elsewhere
+    target = 1e-4 * torch.randn(LEAD_N, generator=torch.Generator().manual_seed(rank))
+    target[rank * LEAD_K : (rank + 1) * LEAD_K] = 10.0
+    supports = []
+    for _ in range(6):
+        model.weight.grad = None
+        ddp(target).backward()  # the gradient is `target`, reduced through the hook
+        supports.append(model.weight.grad.nonzero().reshape(-1).tolist())
+    return supports
+
+
+def test_the_leader_who_chooses_the_support_takes_turns_by_step():
+    """Step ``s``'s shared support is the top-k of rank ``s mod N``'s compensated gradient, so no
+    rank's largest values are always the ones sent (steps 0 and 1 are dense)."""
+    supports = run_gloo(_leader_run, 2)
+    assert supports[0] == supports[1]
+    for step, support in enumerate(supports[0][2:], start=2):
+        leader = step % 2
+        assert support == list(range(leader * LEAD_K, (leader + 1) * LEAD_K)), step
+
+
+def test_the_run_time_guard_passes_a_code_within_max_recon_error_and_never_an_all_zero_layer():
+    codec = LGCCodec(max_recon_error=0.3)
+    v = torch.linspace(1.0, 2.0, 100)
+    assert float(codec._within_gate(v, 0.71 * v)) == 1.0  # relative error 0.29
+    assert float(codec._within_gate(v, 0.69 * v)) == 0.0  # 0.31
+    # the code of zero is not zero: an all-zero layer travels exactly, however its code came back
+    assert float(codec._within_gate(torch.zeros(100), torch.zeros(100))) == 0.0
