@@ -318,6 +318,7 @@ def _train_levels(
     rows = []
     total = WARMUP + COLLECT + stage3
     at_switch = {}
+    sample_leads: set[tuple[int, int]] = set()  # (step, leader) of every stage-2 sample kept
     # this rank's own gradient, from a copy of the model outside DDP: what the rank compensated,
     # less what stays in its residual, is what it sent
     local_model = copy.deepcopy(model)
@@ -363,6 +364,7 @@ def _train_levels(
             }
         )
         opt.step()
+        sample_leads.update((smp[1], smp[2]) for smp in state.codec._samples if not isinstance(smp[2], Tensor))
         if step == WARMUP + COLLECT:
             at_switch = {k: v.tolist() for k, v in state.codec._levels.items()}
     codec = state.codec
@@ -374,6 +376,8 @@ def _train_levels(
         "layers": codec.ae_layers,
         "denser": denser,
         "values_run": codec.values_run,
+        "values_used": codec.values_used,
+        "sample_leads": sorted(sample_leads),
         "refits": codec.refits,
         "levels": {k: v.tolist() for k, v in codec._levels.items()},
         "levels_at_switch": at_switch,
@@ -417,6 +421,10 @@ def test_levels_carry_every_layer_identically_on_two_ranks_with_exact_error_feed
             assert row["wire"] == pytest.approx(_expected_stage3_wire(2))
         support = sum(math.ceil(RATIO * p.numel()) for p in _mlp().parameters() if p.numel() >= 1000)
         assert r["values_run"] == {"configured": (STAGE3 * support, STAGE3 * support), "denser": (0, 0)}
+        # each stage-2 sample names the rank that led its step: the levels of each role are fitted
+        # on that role's messages
+        assert r["sample_leads"] and all(lead == step % 2 for step, lead in r["sample_leads"])
+        assert {step for step, _ in r["sample_leads"]} == set(range(WARMUP, WARMUP + COLLECT))
 
 
 def test_compression_level_moves_the_support_between_ten_times_denser_and_the_ratio():
@@ -667,6 +675,8 @@ def test_a_scale_a_channel_sends_the_light_steps_with_two_bytes_a_channel_on_two
         for a, b in zip(rows[:-1], q["rows"][:-1], strict=True):
             assert torch.equal(a["grads"], b["grads"]) and a["wire"] == b["wire"]
         assert rows[-1]["wire"] == q["rows"][-1]["wire"] + 2 * channels * messages
+        # and the end-of-fit report's count of the code's bytes takes them in
+        assert r["values_used"][2] == q["values_used"][2] + 2 * channels * messages
         assert not torch.equal(rows[-1]["grads"], q["rows"][-1]["grads"])
     assert scaled[0]["digest"] == scaled[1]["digest"] != plain[0]["digest"]
 
