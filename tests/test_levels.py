@@ -378,6 +378,7 @@ def _train_levels(
         "values_run": codec.values_run,
         "values_used": codec.values_used,
         "sample_leads": sorted(sample_leads),
+        "refit_kept": sorted({(smp[1], smp[3]) for smp in codec._refit_samples}),  # (step, denser)
         "refits": codec.refits,
         "levels": {k: v.tolist() for k, v in codec._levels.items()},
         "levels_at_switch": at_switch,
@@ -539,8 +540,9 @@ def test_light_code_bits_fit_the_denser_support_more_levels_and_keep_their_numbe
 def test_levels_fitted_on_a_denser_stage_2_carry_the_configured_support_on_two_ranks():
     """The controller's case: stage 2 wholly at the light level. The code still carries every layer
     at the configured level, and a later light step uses the denser support's levels, identically
-    on both ranks, with exact error feedback throughout."""
-    res = run_gloo(_train_levels, world_size=2, args=(True,), timeout=300)
+    on both ranks, with exact error feedback throughout. With the refit on (every 100 steps: not
+    reached here) rank 0 keeps each stage-3 message for it, the light step's as the denser support's."""
+    res = run_gloo(_train_levels, world_size=2, args=(True, 100), timeout=300)
     assert res[0]["digest"] == res[1]["digest"] and res[0]["layers"] == res[1]["layers"]
     assert len(res[0]["layers"]) == 3 and res[0]["denser"] == sorted(res[0]["layers"])
     for r in res:
@@ -560,6 +562,9 @@ def test_levels_fitted_on_a_denser_stage_2_carry_the_configured_support_on_two_r
             f"over the run it carried 100 % of {2 * support:,} at the configured support "
             f"and 100 % of {denser:,} at the denser support"
         )
+    stage3 = range(WARMUP + COLLECT, WARMUP + COLLECT + STAGE3)
+    assert res[0]["refit_kept"] == [(step, step == stage3[-1]) for step in stage3]
+    assert res[1]["refit_kept"] == []  # rank 0 alone refits
 
 
 def test_light_code_bits_send_the_denser_steps_in_three_bits_on_two_ranks():
