@@ -7,6 +7,7 @@ import io
 import math
 from types import SimpleNamespace
 
+import codec_driver
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +16,7 @@ from torch import Tensor, nn
 
 from lightning_gradcomp.codecs import levels
 from lightning_gradcomp.codecs.bits import codes_nbytes
-from lightning_gradcomp.codecs.lgc import LGCCodec
+from lightning_gradcomp.codecs.lgc import MIN_AE_LEN, LGCCodec
 from lightning_gradcomp.codecs.positions import (
     channel_counts,
     choose_encoding,
@@ -452,6 +453,32 @@ def test_samples_at_the_configured_support_fit_no_denser_levels():
     assert len(configured) == 16 and denser == []
     c.train_autoencoder()
     assert set(c._levels) == {"w"} and c._levels_denser == {}
+
+
+def test_a_support_shorter_than_min_ae_len_travels_exactly_and_keeps_no_stage_2_sample():
+    """A layer whose support holds fewer than ``MIN_AE_LEN`` values at a step sends them exactly:
+    in stage 2 that step's sample is not kept, and in stage 3 the code does not carry it, even
+    where its levels were fitted on the light steps' denser support (10 % here: 300 values)."""
+    c = codec_driver.set_up(LGCCodec(ratio=0.01, warmup_steps=0, ae_train_steps=6, max_recon_error=1.0))
+    param = torch.zeros(30, 100)
+    g = torch.Generator().manual_seed(0)
+    assert c.k_for(3000) == 30 < MIN_AE_LEN
+    decoded = {}
+    for step in range(8):
+        c.set_level(0.0 if step in (4, 5, 7) else 1.0)  # light: a support of 300
+        x = torch.randn(3000, generator=g)
+        if step < 2:
+            c.observe_dense("w", x, step)
+        else:
+            decoded[step] = (x, codec_driver.round_trip(c, x, "w", param, step)[1])
+        if step == 3:
+            assert c._samples == []  # steps 2 and 3 held 30 values a rank
+        c.on_step_end(step)
+    assert c.stage(6) == 3 and list(c.ae_layers) == ["w"]
+    x, out = decoded[6]  # heavy: 30 values, exactly
+    assert torch.equal(out[out != 0], x[out != 0]) and int((out != 0).sum()) == 30
+    x, out = decoded[7]  # light: 300 values through the levels
+    assert int((out != 0).sum()) == 300 and not torch.equal(out[out != 0], x[out != 0])
 
 
 def test_denser_samples_are_cut_to_the_configured_support_and_fit_levels_of_their_own():
