@@ -735,6 +735,123 @@ def test_refit_rows_fits_each_role_on_its_own_messages_and_reports_the_held_out_
     assert levels.refit_rows([], kept, 2) is None
 
 
+def test_rank_0_keeps_a_seeded_subsample_of_its_recent_messages_for_the_refit():
+    """What a refit fits on: at most REFIT_VALUES of a message's relative magnitudes, the same ones
+    for the same step, with the role it was sent in, and only the last ``refit_every`` steps."""
+    from lightning_gradcomp.codecs.lgc_learning import REFIT_VALUES
+
+    c = LGCCodec(ratio=RATIO, refit_every=4)
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(3 * REFIT_VALUES, generator=g)
+    magnitudes = levels.relative_magnitudes(v)
+    c._keep_for_refit("w", 10, v, denser=False)
+    c._keep_for_refit("w", 10, v, denser=True, role=levels.OTHERS)  # a union support's other half
+    (_, _, role, denser, kept), (_, _, role_given, denser_given, kept_again) = c._refit_samples
+    assert kept.numel() == REFIT_VALUES and torch.isin(kept, magnitudes).all()
+    assert torch.equal(kept, kept_again)  # seeded by the step: the same subsample
+    assert (role, denser) == (c._role(10), False) and (role_given, denser_given) == (levels.OTHERS, True)
+    c._keep_for_refit("w", 11, v, denser=False)
+    assert not torch.equal(c._refit_samples[-1][4], kept)  # another step, another subsample
+    short = torch.randn(100, generator=g)
+    c._keep_for_refit("w", 13, short, denser=False)
+    assert torch.equal(c._refit_samples[-1][4].sort().values, levels.relative_magnitudes(short).sort().values)
+    c._keep_for_refit("w", 14, short, denser=False)  # step 10 is refit_every steps back: it goes
+    assert [smp[1] for smp in c._refit_samples] == [11, 13, 14]
+
+
+def test_a_refit_fits_the_configured_and_the_denser_support_each_on_its_own_messages():
+    """Rank 0's messages at the configured support and at the denser one (the controller's light
+    steps) have levels of their own: each table is fitted again on its own messages alone, and the
+    gate reads the configured support's error."""
+    c = LGCCodec(ratio=RATIO, refit_every=8)
+    _samples(c, 16, 0.3)
+    c.train_autoencoder()
+    c._levels_denser = {"w": c._levels["w"].clone()}
+    g = torch.Generator().manual_seed(1)
+    start = c.ae_start_step
+    for step in range(start, start + 8):
+        sign = torch.sign(torch.randn(300, generator=g))
+        v = torch.cat([0.1 * torch.ones(150), 4.0 * torch.ones(150)]) * sign
+        d = (torch.linspace(0, 100, 300) ** 2) * sign  # spread: no two levels carry it
+        c._keep_for_refit("w", step, v + 0.001 * torch.randn(300, generator=g), denser=False)
+        c._keep_for_refit("w", step, d, denser=True)
+    configured = [smp for smp in c._refit_samples if not smp[3]]
+    denser = [smp for smp in c._refit_samples if smp[3]]
+    expected, expected_denser = c._levels["w"].clone(), c._levels_denser["w"].clone()
+    error = levels.refit_rows(configured, expected, expected.shape[-1], c.options.seed)
+    levels.refit_rows(denser, expected_denser, expected_denser.shape[-1], c.options.seed)
+    # the gate at its bound keeps the layer (the error travels in float32)
+    c.replace_options(max_recon_error=torch.tensor(error, dtype=torch.float32).item())
+    c.refit_levels()
+    assert torch.equal(c._levels["w"], expected) and torch.equal(c._levels_denser["w"], expected_denser)
+    assert c.ae_layers == {"w": pytest.approx(error)} and error < 0.05  # the denser spread does not gate
+
+
+def test_stage_2_samples_of_a_denser_support_are_cut_to_the_configured_one():
+    """The fit at the switch takes each sample at the configured support: a denser leader's
+    support is cut to the leader's ``k`` largest values (every rank's values there), a denser
+    union to each rank's ``ceil(k / N)`` largest among the positions it named; a sample already at
+    the configured size is kept whole and is not a denser one."""
+    c = LGCCodec(ratio=RATIO, support="union")
+    numel, k = 1000, 100  # keep_count(0.1, 1000)
+    g = torch.Generator().manual_seed(0)
+    led_by_1 = torch.randn(2, 250, generator=g)  # a denser leader's support, rank 1 leading
+    c._samples.append(("a", 1, 1, numel, led_by_1))
+    named = torch.zeros(2, 80, dtype=torch.bool)  # a union at the configured size: 50 names a rank
+    named[0, :50] = named[1, 30:] = True
+    union = torch.randn(2, 80, generator=g)
+    c._samples.append(("b", 2, named, numel, union))
+    wide = torch.zeros(2, 160, dtype=torch.bool)  # a denser union: 100 names a rank
+    wide[0, :100] = wide[1, 60:] = True
+    denser_union = torch.randn(2, 160, generator=g)
+    c._samples.append(("c", 3, wide, numel, denser_union))
+    configured, denser = c._samples_by_support()
+    assert [(smp[0], smp[1]) for smp in denser] == [("a", 1), ("c", 3)]
+    by_key = {smp[0]: smp for smp in configured}
+    keep = led_by_1[1].abs().topk(k).indices.sort().values  # the leader's, not rank 0's
+    assert torch.equal(by_key["a"][4], led_by_1[:, keep]) and by_key["a"][2] == 1
+    assert by_key["b"][4] is union and by_key["b"][2] is named
+    picks = []
+    for r in range(2):
+        columns = wide[r].nonzero().reshape(-1)
+        picks.append(set(columns[denser_union[r, columns].abs().topk(50).indices].tolist()))
+    kept = sorted(picks[0] | picks[1])
+    assert torch.equal(by_key["c"][4], denser_union[:, kept])
+    assert by_key["c"][2].tolist() == [[i in picks[r] for i in kept] for r in range(2)]
+
+
+@pytest.mark.parametrize("denser_steps", [1, 2])
+def test_the_denser_support_gets_levels_of_its_own_from_two_steps_of_it(denser_steps):
+    """Levels of their own for the controller's denser support are fitted only from at least two
+    steps of it in stage 2 (one step has no held-out step to gate on); below that the denser
+    support uses the configured support's levels."""
+    c = LGCCodec(ratio=RATIO)
+    _samples(c, 16, 0.3)  # 300 values of 3,000: the configured support
+    g = torch.Generator().manual_seed(2)
+    for step in range(16, 16 + denser_steps):
+        common = torch.randn(750, generator=g)  # the ranks' values alike, as _samples makes them
+        v = torch.stack([common + 0.3 * torch.randn(750, generator=g) for _ in range(2)]) * 1e-3
+        c._samples.append(("w", step, step % 2, 3000, v))
+    c.train_autoencoder()
+    assert list(c.ae_layers) == ["w"]
+    assert sorted(c._levels_denser) == ([] if denser_steps == 1 else ["w"])
+    # the code's own size: a (2, 2) table of fp32 levels a support (two bits a value)
+    tables = 1 if denser_steps == 1 else 2
+    assert c.ae_cost() == {"ae_params": 4.0 * tables, "ae_param_bytes": 16.0 * tables}
+
+
+def test_a_checkpoint_carries_the_runs_tallies_of_the_learned_code():
+    """What the end-of-run report counts (support values the code carried, and all of them, at
+    each support) goes on after a resume from where it was."""
+    c = LGCCodec(ratio=RATIO)
+    _samples(c, 16, 0.3)
+    c.train_autoencoder()
+    c._values_run = {"configured": [1200, 1500], "denser": [40, 90]}
+    d = LGCCodec(ratio=RATIO)
+    d.load_state_dict(c.state_dict())
+    assert d.values_run == {"configured": (1200, 1500), "denser": (40, 90)}
+
+
 def test_a_refit_gates_layers_again_on_what_the_run_sends_now():
     """Levels fitted at the switch on values in [2, 3] of their RMS scale; later the messages hold
     a wide spread, which those levels carry badly: the refit fits them again and the layer keeps
