@@ -23,11 +23,12 @@ bucket to the next step's first bucket, less the codec's step-end work such as a
   all-reduce, which is exact) by more than ``min_gain_ms``.
 
 After each probe phase every rank contributes its costs to one all-reduce (so all ranks see the
-same averages and take the same decision), and a bucket falls back to plain all-reduce for the
-rest of the run when its compressed cost exceeds its dense cost by more than ``margin`` (relative)
-and ``min_gain_ms`` (absolute). A bucket that falls back sends its residual with its next
-gradient, so nothing compression had deferred is lost. The decision is logged and counted in
-``gradcomp/fallback_buckets``.
+same averages and take the same decision), once an all-gather of a digest of the timed buckets'
+names has shown that every rank timed the same buckets (else every rank raises), and a bucket
+falls back to plain all-reduce for the rest of the run when its compressed cost exceeds its dense
+cost by more than ``margin`` (relative) and ``min_gain_ms`` (absolute). A bucket that falls back
+sends its residual with its next gradient, so nothing compression had deferred is lost. The
+decision is logged and counted in ``gradcomp/fallback_buckets``.
 
 Clocks (:mod:`lightning_gradcomp.timing`): on a CPU every time is a ``perf_counter`` reading. On
 CUDA the per-bucket times are CUDA events recorded on the current stream (hook body start and end,
@@ -49,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_gradcomp import comm
 from lightning_gradcomp.timing import Clock, Mark, clock_for
 
 __all__ = ["FallbackPolicy", "default_enabled"]
@@ -155,7 +157,6 @@ class FallbackPolicy:
         now = time.perf_counter()
         with self._lock:
             marks, self._marks = self._marks, []
-            self._prev_done = 0.0
             if timing:
                 for entry in marks:
                     self._record(clock, *entry)
@@ -222,7 +223,7 @@ class FallbackPolicy:
         steps_c, steps_d = self.step_times["compressed"], self.step_times["dense"]
         # the compressed steps after the first, and the last plain step before compression started
         step_pair = [statistics.median(steps_c[1:] or steps_c or [0.0]), steps_d[-1] if steps_d else 0.0]
-        costs = self._average(comp + dense + step_pair, len(keys), process_group, device)
+        costs = self._average(comp + dense + step_pair, keys, process_group, device)
         n = len(keys)
         comp, dense = costs[:n], costs[n : 2 * n]
         step_c, step_d = costs[2 * n], costs[2 * n + 1]
@@ -247,7 +248,7 @@ class FallbackPolicy:
         if len(steps_p) < self.probe_steps or any(len(self._probe_dense.get(k, [])) < self.probe_steps for k in keys):
             return None
         dense = [statistics.median(self._probe_dense[k]) for k in keys]
-        costs = self._average(dense + [statistics.median(steps_p)], len(keys), process_group, device)
+        costs = self._average(dense + [statistics.median(steps_p)], keys, process_group, device)
         step_p = costs[len(keys)]
         self._plain_probe = None
         # compression must win by more than min_gain_ms; ties go to plain all-reduce, which is exact
@@ -255,17 +256,19 @@ class FallbackPolicy:
         return self._finish(keys, comp, costs[: len(keys)], (step_c, step_p), whole_step_loses=loses)
 
     def _average(
-        self, values: list[float], n_keys: int, process_group: dist.ProcessGroup | None, device: torch.device
+        self, values: list[float], keys: list[str], process_group: dist.ProcessGroup | None, device: torch.device
     ) -> list[float]:
-        costs = torch.tensor(values + [float(n_keys)], dtype=torch.float64, device=device)
-        if dist.is_initialized() and dist.get_world_size(process_group) > 1:
-            dist.all_reduce(costs, group=process_group)
-            world = dist.get_world_size(process_group)
-            costs = costs / world
-        values = costs.tolist()  # once per decision, not per bucket
-        if int(round(values[-1])) != n_keys:
-            raise RuntimeError("ranks timed different bucket layouts; cannot agree on a fallback decision")
-        return values[:-1]
+        """``values`` averaged over the ranks, once every rank is known to have timed the same
+        buckets ``keys`` (else every rank raises: a collective of another size on some rank would
+        fail, or hang, instead)."""
+        if not (dist.is_initialized() and dist.get_world_size(process_group) > 1):
+            return values
+        world = dist.get_world_size(process_group)
+        what = "ranks timed different bucket layouts; cannot agree on a fallback decision"
+        comm.agree(comm.digest("\n".join(keys)), what, process_group, device, world)
+        costs = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(costs, group=process_group)
+        return (costs / world).tolist()  # once per decision, not per bucket
 
     def _finish(
         self,

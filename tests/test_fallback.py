@@ -6,6 +6,8 @@ so each branch of the decision is reached on purpose.
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -110,6 +112,18 @@ def test_bad_arguments_name_the_option():
         FallbackPolicy(probe_steps=0)
     with pytest.raises(ValueError, match="clear_win"):
         FallbackPolicy(clear_win=1.5)
+    for bad in (dict(margin=-0.1), dict(min_gain_ms=-1.0)):
+        with pytest.raises(ValueError, match="margin and min_gain_ms"):
+            FallbackPolicy(**bad)
+
+
+@pytest.mark.parametrize(
+    "value, enabled", [("0", False), ("off", False), (" False ", False), ("NO", False), ("1", True)]
+)
+def test_the_environment_variable_turns_the_default_off(monkeypatch, value, enabled):
+    monkeypatch.setenv(fallback_module.ENV_VAR, value)
+    assert fallback_module.default_enabled() is enabled and FallbackPolicy().enabled is enabled
+    assert FallbackPolicy(enabled=True).enabled  # an explicit choice wins
 
 
 def test_close_call_still_drops_a_bucket_that_costs_more_compressed(clock):
@@ -172,3 +186,133 @@ def test_a_bucket_sent_plainly_after_compressed_steps_sends_its_residual_once():
     assert r["residuals"][6:] == [None, None, None]  # travelled with step 6 and dropped
     # nothing lost, nothing sent twice: every gradient arrived exactly once
     torch.testing.assert_close(r["got"], r["want"], rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# the costs themselves: buckets whose collectives queue behind each other, times exact in binary
+def run_step(
+    policy: FallbackPolicy,
+    clock: FakeClock,
+    buckets: list[tuple[str, float, float]],
+    compressed: bool,
+    step_s: float,
+    step_end_s: float = 0.0,
+    exclude: str = "seconds",
+) -> None:
+    """One step as the hook runs it, ``step_s`` long from its first bucket to the next step's,
+    after ``step_end_s`` of step-end work (a refit) that ``start_step`` is told to leave out, as
+    seconds or as the clock's two marks around it. ``buckets``: ``(key, body_s, link_s)``, launched
+    one after the other as their hook bodies end; a collective starts at the later of its launch
+    and the previous bucket's completion, and takes ``link_s`` on the link."""
+    before = clock.t
+    clock.t += step_end_s
+    if exclude == "marks":
+        policy.start_step(exclude_s=(before, clock.t))
+    else:
+        policy.start_step(exclude_s=step_end_s)
+    start = clock.t
+    policy.maybe_decide(None, torch.device("cpu"))
+    events, launched, done = [], start, start
+    for key, body_s, link_s in buckets:
+        body_start, launched = launched, launched + body_s
+        done = max(launched, done) + link_s
+        events += [(launched, 0, key, body_start), (done, 1, key, None)]
+    futures = {}
+    for t, kind, key, body_start in sorted(events, key=lambda e: (e[0], e[1])):
+        clock.t = t
+        if kind == 0:
+            futures[key] = torch.futures.Future()
+            policy.track(futures[key], key, compressed, body_start)
+        else:
+            futures[key].set_result(torch.zeros(1))
+    assert clock.t <= start + step_s
+    clock.t = start + step_s
+
+
+def test_a_buckets_costs_are_its_own_time_on_the_link_and_in_the_hook(clock):
+    """A bucket's plain cost is its link time on the last plain step; its compressed cost the hook
+    body plus its link time, with the time it queued behind the previous bucket left out, as the
+    median of the compressed steps after the first (which pays one-off allocations). The step
+    pair is the median of those compressed steps against the last plain step, each without the
+    step-end work before it (given as seconds or as marks)."""
+    policy = FallbackPolicy(enabled=True)
+    # two plain steps (the last one counts): A's link 0.5 then 0.25 s, B's 0.125 s queued behind A
+    run_step(policy, clock, [("A", 0.0, 0.5), ("B", 0.0, 0.125)], False, step_s=4.0)
+    run_step(policy, clock, [("A", 0.0, 0.25), ("B", 0.0, 0.125)], False, step_s=3.0)
+    # the first compressed step pays 1 s of allocations in A's body and is slow as a whole
+    run_step(policy, clock, [("A", 1.0, 0.0625), ("B", 0.0625, 0.03125)], True, step_s=6.0)
+    # B's body ends at 0.1875 s, as does A's collective; in the next step A's ends at 0.25 s and B queues
+    run_step(policy, clock, [("A", 0.125, 0.0625), ("B", 0.0625, 0.03125)], True, step_s=1.5)
+    # each of the next two starts after step-end work, which the step before it does not count
+    run_step(policy, clock, [("A", 0.125, 0.125), ("B", 0.0625, 0.03125)], True, step_s=1.75, step_end_s=0.5)
+    run_step(policy, clock, [("A", 0.0, 0.25), ("B", 0.0, 0.125)], True, step_s=1.5, step_end_s=0.25, exclude="marks")
+    assert policy.decided and policy.fallback == set()  # decided as this step started: a clear win
+    assert policy.step_decision == ((1.5 + 1.75) / 2, 3.0)
+    assert policy.decisions == {"A": ((0.1875 + 0.25) / 2, 0.25), "B": (0.0625 + 0.03125, 0.125)}
+    times = {kind: list(t) for kind, t in policy.step_times.items()}
+    run_step(policy, clock, [("A", 0.125, 0.0625), ("B", 0.0625, 0.03125)], True, step_s=1.5)
+    assert policy.step_times == times  # decided: nothing is timed any more
+
+
+def test_a_compressed_step_exactly_at_the_clear_win_bound_is_probed_against_plain_steps(clock):
+    policy = FallbackPolicy(enabled=True, clear_win=0.5)
+    for step in range(6):
+        run_step(policy, clock, [("A", 0.0, 0.25)], step >= 2, step_s=2.0 if step < 2 else 1.0)
+    assert not policy.decided and policy.falls_back("A")  # 1.0 s is not under half of 2.0 s
+
+
+@pytest.mark.parametrize("min_gain_ms", [249.0, 250.0])
+def test_after_the_plain_probe_each_bucket_needs_both_the_margin_and_the_gain_to_fall_back(clock, min_gain_ms):
+    """A close call: the plain probe steps (10.25 s) are 250 ms slower than the compressed ones
+    (10 s). A gain of exactly ``min_gain_ms`` is a tie, and a tie sends every bucket plainly.
+    Otherwise a bucket falls back only when its compressed cost exceeds the median of its plain
+    probe costs by more than ``margin`` and by more than ``min_gain_ms``: A (4.25 s against
+    4.0 s, 6 % more) and B (0.125 s against 0.0625 s, but 62.5 ms) each miss one of them."""
+    policy = FallbackPolicy(enabled=True, min_gain_ms=min_gain_ms)
+    plain, compressed = [("A", 0.0, 4.0), ("B", 0.0, 0.0625)], [("A", 0.25, 4.0), ("B", 0.0625, 0.0625)]
+    for _ in range(2):
+        run_step(policy, clock, plain, False, step_s=10.25)
+    for _ in range(3):
+        run_step(policy, clock, compressed, True, step_s=10.0)
+    for link in (4.0, 4.5, 3.0):  # the plain probe: A's median link is 4.0 s, its last 3.0 s
+        run_step(policy, clock, [("A", 0.0, link), ("B", 0.0, 0.0625)], False, step_s=10.25)
+        assert policy.falls_back("A") and policy.falls_back("B") and not policy.decided
+    run_step(policy, clock, compressed, True, step_s=10.0)  # decides as it starts
+    assert policy.decided and policy.step_decision == (10.0, 10.25)
+    assert policy.decisions == {"A": (4.25, 4.0), "B": (0.125, 0.0625)}
+    assert policy.fallback == ({"A", "B"} if min_gain_ms == 250.0 else set())
+
+
+def test_a_pickled_policy_starts_a_fresh_step(clock):
+    """What the hook state pickles (a spawned rank, a checkpoint) carries no marks of a step in
+    flight (on CUDA they are events): the step after it times only its own buckets."""
+    policy = FallbackPolicy(enabled=True)
+    run_step(policy, clock, [("A", 0.0, 0.25)], False, step_s=2.0)
+    restored = pickle.loads(pickle.dumps(policy))
+    policy.start_step()
+    restored.start_step()
+    assert policy.dense_cost == {"A": 0.25} and restored.dense_cost == {}
+
+
+def _average_with_bucket_keys(rank: int, world: int, layouts: tuple[tuple[str, ...], ...]) -> str:
+    keys = list(layouts[rank])
+    try:
+        return str(FallbackPolicy(enabled=True)._average([1.0 + rank] * len(keys), keys, None, torch.device("cpu")))
+    except RuntimeError as err:
+        return str(err)
+
+
+@pytest.mark.parametrize(
+    "layouts", [(("a", "b"), ("a", "b")), (("a",), ("a", "b")), (("a", "b"), ("a", "c"))], ids=["same", "more", "other"]
+)
+def test_ranks_that_timed_different_buckets_all_refuse_to_decide(layouts):
+    """The ranks average their costs only once they know they timed the same buckets; else every
+    rank stops with the same error, before costs of different lengths could meet in a collective
+    (gloo fails on them, NCCL may hang) and whatever the buckets' count."""
+    from dist_utils import run_gloo
+
+    res = run_gloo(_average_with_bucket_keys, 2, args=(layouts,))
+    if layouts[0] == layouts[1]:
+        assert res == ["[1.5, 1.5]"] * 2
+    else:
+        assert all(r.startswith("ranks timed different bucket layouts") and "ranks [0] agree" in r for r in res), res
