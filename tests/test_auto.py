@@ -238,6 +238,31 @@ def test_the_costs_are_the_ranks_medians_with_the_link_taken_out_of_decoding():
     assert b0.wire[0] == pytest.approx(1.5 * 4_000_004) and b1.wire[0] == pytest.approx(1.5 * 400_004)
 
 
+def _auto_costs_with_order(rank: int, world: int, orders: tuple[tuple[str, ...], ...]) -> str:
+    codec = make_codec("auto", candidates=["none", "fp16", "gradiveq:1"])
+    codec.setup(CodecContext(rank, world, torch.device("cpu")))
+    codec._order, codec._raw = list(orders[rank]), {"b0": 4_000_000, "b1": 400_000}
+    try:
+        costs = codec._averaged_costs(LinkModel(1e-3, 100 * MBIT))
+    except RuntimeError as err:
+        return str(err)
+    return ",".join(c.key for c in costs)
+
+
+@pytest.mark.parametrize(
+    "orders", [(("b0", "b1"), ("b0", "b1")), (("b0",), ("b0", "b1")), (("b0", "b1"), ("b1", "b0"))], ids=str
+)
+def test_ranks_that_timed_other_buckets_all_refuse_to_plan(orders):
+    """The costs are averaged entry by entry: every rank raises unless all timed the same buckets
+    in the same order (a vector of another length would fail in the reduce; another order would
+    average one bucket's costs with another's)."""
+    res = run_gloo(_auto_costs_with_order, 2, args=(orders,))
+    if orders[0] == orders[1]:
+        assert res == ["b0,b1"] * 2
+    else:
+        assert all(r.startswith("auto: ranks timed different bucket layouts") for r in res), res
+
+
 def test_the_level_bounds_the_arms():
     buckets = [arms_for(25e6, 0.0, "b0")]
     plan, _ = choose_plan(buckets, [0, 1], LinkModel(1e-3, 10 * MBIT))
