@@ -1,7 +1,11 @@
 """Names, factories and fail-fast validation: everything here runs before any process starts."""
 
+import copy
+import pickle
+
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_gradcomp as gc
@@ -288,6 +292,50 @@ def test_replace_options_checks_the_new_values():
         codec.replace_options(ratio=2.0)
     with pytest.raises(ValueError, match="no option 'not_an_option'.*ratio"):
         codec.replace_options(not_an_option=1)
+    # valid on its own, refused with the harness's momentum correction: nothing changes
+    lgc = make_codec("lgc", momentum=0.9)
+    with pytest.raises(ValueError, match="warmup_codec='powersgd'"):
+        lgc.replace_options(warmup_codec="powersgd")
+    assert lgc.options.warmup_codec == "allreduce" and lgc.config() == make_codec("lgc", momentum=0.9).config()
+    # adopted defaults set the codec's own options and the harness's alike
+    topk = make_codec("topk")
+    topk.adopt_defaults({"ratio": 0.1, "error_feedback": False})
+    assert (topk.options.ratio, topk.harness.error_feedback) == (0.1, False)
+
+
+def test_the_harness_contract_of_every_codec():
+    """What a codec inherits: a parameter of exactly ``min_numel`` entries is compressed; a run
+    length that is not a positive number is unknown; a user codec that only decodes gets the sum
+    of every rank's decoded payloads; without error feedback the defaults beside Adam that need
+    it are dropped; the context keeps its group through a copy and drops it when pickled."""
+    from lightning_gradcomp import CodecContext
+    from lightning_gradcomp.codecs.base import Codec
+
+    topk = make_codec("topk", min_numel=1000)
+    assert topk.should_compress("w", torch.zeros(1000)) and not topk.should_compress("w", torch.zeros(999))
+    for bad in (0, -5, float("inf"), float("nan")):
+        topk.fit_to_run(bad)
+        assert topk.run_total_steps is None
+    topk.fit_to_run(781.0)
+    assert topk.run_total_steps == 781
+
+    class Halves(Codec):  # allgather, with the base class's aggregate
+        def encode(self, x, key, param, step):
+            raise NotImplementedError
+
+        def decode(self, payload, ctx, numel, count):
+            return payload[0] / 2
+
+    parts = [[torch.full((3,), 2.0)], [torch.full((3,), 4.0)], [torch.tensor([6.0, 0.0, 2.0])]]
+    assert Halves().aggregate(parts, None, 3).tolist() == [6.0, 3.0, 4.0]
+
+    assert "plain_dtype" in make_codec("lgc").optimizer_defaults()
+    assert "plain_dtype" not in make_codec("lgc", error_feedback=False).optimizer_defaults()
+
+    group = ("a", "group")  # stands for a process group
+    context = CodecContext(1, 2, torch.device("cpu"), group)
+    assert copy.deepcopy(context).group is group
+    assert pickle.loads(pickle.dumps(context)).group is None
 
 
 def test_positive_float_keeps_each_codecs_accepted_values():
