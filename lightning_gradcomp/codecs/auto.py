@@ -593,7 +593,8 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
         return clock.elapsed(marks[0][2], now)
 
     def _averaged_costs(self, link: LinkModel) -> list[BucketCosts]:
-        """This rank's medians, averaged over the ranks (one all-reduce, the same on every rank)."""
+        """This rank's medians, averaged over the ranks (one all-reduce, the same on every rank,
+        after an 8-byte all-gather that checks every rank timed the same buckets in the same order)."""
         keys, n_arms = list(self._order), len(self.arms)
         values = []
         for key in keys:
