@@ -58,6 +58,7 @@ __all__ = [
     "all_reduce",
     "digest",
     "agree",
+    "mean_over_ranks",
     "gather_rank_states",
 ]
 
@@ -303,6 +304,27 @@ def agree(value: int, what: str, group: dist.ProcessGroup | None, device: torch.
         for r, v in enumerate(values):
             groups.setdefault(v, []).append(r)
         raise RuntimeError(f"{what}: " + "; ".join(f"ranks {rs} agree" for rs in groups.values()))
+
+
+def mean_over_ranks(
+    values: list[float],
+    keys: Sequence[str],
+    what: str,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    world_size: int,
+) -> list[float]:
+    """``values`` averaged entry by entry over the ranks of ``group`` (one all-reduce), once
+    :func:`agree` has shown that every rank's entries are of the same ``keys`` in the same order:
+    else every rank raises, naming ``what``, before vectors of other lengths or orders meet in the
+    reduce (gloo fails on them, NCCL may hang, and equal lengths would mix one key's values with
+    another's). The values themselves on one rank."""
+    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    agree(digest("\n".join(keys)), what, group, device, world_size)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    all_reduce(t, "sum", group, world_size)
+    return (t / world_size).tolist()
 
 
 def gather_rank_states(

@@ -258,17 +258,11 @@ class FallbackPolicy:
     def _average(
         self, values: list[float], keys: list[str], process_group: dist.ProcessGroup | None, device: torch.device
     ) -> list[float]:
-        """``values`` averaged over the ranks, once every rank is known to have timed the same
-        buckets ``keys`` (else every rank raises: a collective of another size on some rank would
-        fail, or hang, instead)."""
-        if not (dist.is_initialized() and dist.get_world_size(process_group) > 1):
-            return values
-        world = dist.get_world_size(process_group)
+        """``values`` averaged over the ranks once they agree they timed the same buckets ``keys``
+        (:func:`~lightning_gradcomp.comm.mean_over_ranks`; once per decision, not per bucket)."""
+        world = dist.get_world_size(process_group) if dist.is_initialized() else 1
         what = "ranks timed different bucket layouts; cannot agree on a fallback decision"
-        comm.agree(comm.digest("\n".join(keys)), what, process_group, device, world)
-        costs = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(costs, group=process_group)
-        return (costs / world).tolist()  # once per decision, not per bucket
+        return comm.mean_over_ranks(values, keys, what, process_group, device, world)
 
     def _finish(
         self,

@@ -608,14 +608,8 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
                 wire = statistics.median(x[2] for x in s)
                 dec = max(statistics.median(x[1] for x in s) - link.seconds(wire), 0.0)
                 values += [enc, dec, wire]
-        # every rank raises unless all timed the same buckets in the same order (their costs are
-        # averaged entry by entry; a vector of another length would fail, or hang, in the reduce)
-        self.context.agree(
-            comm.digest("\n".join(keys)), "auto: ranks timed different bucket layouts; cannot agree on a plan"
-        )
-        t = torch.tensor(values, dtype=torch.float64, device=self.context.device)
-        self.context.all_reduce(t)
-        values = (t / self.world_size).tolist()
+        ctx, what = self.context, "auto: ranks timed different bucket layouts; cannot agree on a plan"
+        values = comm.mean_over_ranks(values, keys, what, ctx.group, ctx.device, self.world_size)
         costs, per = [], 1 + 3 * n_arms
         for j, key in enumerate(keys):
             row = values[j * per : (j + 1) * per]
