@@ -89,6 +89,16 @@ class ResidualMemory:
         self._before_step = StepUndo()
         self._lock = threading.Lock()  # decode callbacks of different buckets run on comm threads
 
+    # a lock does not pickle (a spawned rank, a deep copy of the strategy): a copy gets its own
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_lock")
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     @property
     def residuals(self) -> Mapping[str, Tensor]:
         """The current residuals, read-only (change them with :meth:`set` or :meth:`load_state_dict`)."""

@@ -82,6 +82,16 @@ class StatsAccumulator:
         self.last: StepStats | None = None
         self.totals = StepStats()
 
+    # a lock does not pickle (a spawned rank, a deep copy of the strategy): a copy gets its own
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_lock")
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def add(self, **values: float) -> None:
         with self._lock:
             for k, v in values.items():
