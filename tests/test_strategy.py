@@ -437,3 +437,79 @@ def test_a_checkpoint_of_before_the_parameter_order_resumes_its_channels_last_re
         warnings.simplefilter("error")
         strategy._apply_checkpoint(strategy.hook_state, saved)
     assert torch.equal(strategy.hook_state.memory.get("1.weight"), linear_residual)
+
+
+# --------------------------------------------------------------------------------------------------
+# the strategy's parts that need no run
+
+
+def test_the_group_is_destroyed_at_exit_unless_the_last_run_failed():
+    from codec_driver import one_rank_group
+
+    from lightning_gradcomp.strategy import _DestroyProcessGroupAtExit
+
+    at_exit = _DestroyProcessGroupAtExit()
+    at_exit.registered = True  # as if registered: this test calls it, not the interpreter's exit
+    one_rank_group()
+    CompressedDDPStrategy(codec="topk").on_exception(RuntimeError("a rank died"))  # the module's own instance
+    from lightning_gradcomp.strategy import _DESTROY_AT_EXIT
+
+    assert _DESTROY_AT_EXIT.last_run_failed
+    _DESTROY_AT_EXIT.last_run_failed = False
+    at_exit.last_run_failed = True
+    at_exit()  # a peer may still wait in a collective: the group is left alone
+    assert torch.distributed.is_initialized()
+    at_exit.register()  # the next run starts: its own outcome decides
+    assert not at_exit.last_run_failed
+    at_exit()
+    assert not torch.distributed.is_initialized()
+
+
+def test_the_runs_length_is_lightnings_estimate_during_fit_only():
+    from types import SimpleNamespace
+
+    strategy = CompressedDDPStrategy(codec="topk")
+
+    def module(fn: str, estimate) -> SimpleNamespace:
+        return SimpleNamespace(
+            trainer=SimpleNamespace(state=SimpleNamespace(fn=fn), estimated_stepping_batches=estimate)
+        )
+
+    strategy._lightning_module = module("fit", 120.0)
+    assert strategy._estimated_total_steps() == 120
+    strategy._lightning_module = module("validate", 120.0)
+    assert strategy._estimated_total_steps() is None
+    strategy._lightning_module = module("fit", float("inf"))  # max_steps=-1, max_epochs=-1
+    assert strategy._estimated_total_steps() is None
+
+
+def test_a_checkpoint_is_loaded_with_weights_only_unless_the_caller_asks_otherwise(tmp_path, monkeypatch):
+    import pickle
+
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # flips torch.load's own default
+
+    path = tmp_path / "foreign.ckpt"
+    torch.save({"state_dict": {}, "extra": _NotATensor()}, path)
+    strategy = CompressedDDPStrategy(codec="topk")
+    with pytest.raises(pickle.UnpicklingError):
+        strategy.load_checkpoint(path)
+    assert isinstance(strategy.load_checkpoint(path, weights_only=False)["extra"], _NotATensor)
+
+
+class _NotATensor:
+    """What a checkpoint loaded with weights_only=True refuses to build."""
+
+
+def test_each_parameter_gets_its_own_groups_rate_and_only_a_second_moment_of_its_shape():
+    from types import SimpleNamespace
+
+    from lightning_gradcomp.strategy import _learning_rates, _second_moments
+
+    a, b = nn.Parameter(torch.zeros(2, 3)), nn.Parameter(torch.zeros(4))
+    adam = torch.optim.Adam([{"params": [a], "lr": 0.1}, {"params": [b], "lr": 0.3}])
+    names = {id(a): "a", id(b): "b"}
+    wrapped = SimpleNamespace(optimizer=adam)  # as Lightning hands it over (LightningOptimizer)
+    assert _learning_rates(wrapped, names) == {"a": 0.1, "b": 0.3}
+    adam.state[a]["exp_avg_sq"] = torch.ones(2, 3)
+    adam.state[b]["exp_avg_sq"] = torch.ones(2)  # a factored moment (Adafactor-like): not per coordinate
+    assert set(_second_moments(wrapped, names)) == {"a"}
