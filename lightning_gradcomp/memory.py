@@ -22,7 +22,25 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-__all__ = ["ResidualMemory", "StepUndo"]
+__all__ = ["LocksNotPickled", "ResidualMemory", "StepUndo"]
+
+
+class LocksNotPickled:
+    """Picklable although it holds locks (a spawned rank, a deep copy of the strategy): the locks
+    named in ``_unpickled_locks`` are left out when pickled, and a copy takes new ones."""
+
+    _unpickled_locks: tuple[str, ...] = ("_lock",)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in self._unpickled_locks:
+            state.pop(name)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for name in self._unpickled_locks:
+            setattr(self, name, threading.Lock())
 
 
 class StepUndo:
@@ -72,7 +90,7 @@ class StepUndo:
         self.started_from = None
 
 
-class ResidualMemory:
+class ResidualMemory(LocksNotPickled):
     """Per-parameter residuals of one rank.
 
     Args:
@@ -88,16 +106,6 @@ class ResidualMemory:
         # what this step's commits and drops replaced, for revert_step
         self._before_step = StepUndo()
         self._lock = threading.Lock()  # decode callbacks of different buckets run on comm threads
-
-    # a lock does not pickle (a spawned rank, a deep copy of the strategy): a copy gets its own
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state.pop("_lock")
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     @property
     def residuals(self) -> Mapping[str, Tensor]:

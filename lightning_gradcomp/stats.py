@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from lightning_gradcomp.comm import wire_bytes
+from lightning_gradcomp.memory import LocksNotPickled
 from lightning_gradcomp.timing import Span, resolve
 
 __all__ = ["StepStats", "StatsAccumulator", "record_bucket"]
@@ -73,7 +74,7 @@ class StepStats:
         return out
 
 
-class StatsAccumulator:
+class StatsAccumulator(LocksNotPickled):
     """Thread-safe accumulation of :class:`StepStats` across the buckets of a step."""
 
     def __init__(self) -> None:
@@ -81,16 +82,6 @@ class StatsAccumulator:
         self._current = StepStats()
         self.last: StepStats | None = None
         self.totals = StepStats()
-
-    # a lock does not pickle (a spawned rank, a deep copy of the strategy): a copy gets its own
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state.pop("_lock")
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     def add(self, **values: float) -> None:
         with self._lock:

@@ -109,7 +109,7 @@ from lightning_gradcomp.codecs.base import (
 )
 from lightning_gradcomp.codecs.sampling import seeded_generator
 from lightning_gradcomp.comm import digest
-from lightning_gradcomp.memory import StepUndo
+from lightning_gradcomp.memory import LocksNotPickled, StepUndo
 from lightning_gradcomp.registry import register_codec
 
 __all__ = ["GradiVeQCodec", "GradiVeQOptions", "fit_pca", "PHASES"]
@@ -267,7 +267,7 @@ class GradiVeQOptions(CodecOptions):
 
 
 @register_codec("gradiveq")
-class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
+class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
     """GradiVeQ: project slices of each layer's gradient onto a shared PCA basis, all-reduce the codes.
 
     Args:
@@ -314,6 +314,7 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
     """
 
     collective = "allreduce"
+    _unpickled_locks = ("_sample_lock",)  # the window's samples, written from the hook's callbacks
     Options = GradiVeQOptions
     harness_defaults = {"min_numel": 4096}
     # more components in the critical phases (AdaptiveCompression): on ResNet-18, one epoch, it
@@ -349,16 +350,6 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec):
         self._sample_lock = threading.Lock()
         # nonfinite="skip": the bases a leader's fit replaced this step, for end_step
         self._before_step = StepUndo()
-
-    # picklable (spawned ranks, checkpoints of the strategy): the lock is recreated
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state.pop("_sample_lock")
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._sample_lock = threading.Lock()
 
     def setup(self, context: CodecContext) -> None:
         super().setup(context)

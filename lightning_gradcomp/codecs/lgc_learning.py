@@ -32,6 +32,7 @@ from lightning_gradcomp.codecs import lgc_autoencoder as autoencoder
 from lightning_gradcomp.codecs.lgc_autoencoder import MIN_AE_LEN, GradientAutoencoder
 from lightning_gradcomp.codecs.positions import union_of
 from lightning_gradcomp.codecs.sampling import keep_count, named_count
+from lightning_gradcomp.memory import LocksNotPickled
 
 __all__ = ["LearnedCode", "REFIT_VALUES"]
 
@@ -39,8 +40,10 @@ __all__ = ["LearnedCode", "REFIT_VALUES"]
 REFIT_VALUES = 4096
 
 
-class LearnedCode:
+class LearnedCode(LocksNotPickled):
     """The learned code of ``lgc`` and its training (see the module docstring)."""
+
+    _unpickled_locks = ("_samples_lock",)
 
     def _init_learned_code(self) -> None:
         """The untrained code and empty training data (from the codec's ``__init__``)."""
@@ -490,15 +493,6 @@ class LearnedCode:
                 (d["key"], int(d["step"]), int(d["role"]), bool(d["denser"]), d["values"].to(device)) for d in saved
             ]
             self._refit_staged = {}
-
-    def __getstate__(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d.pop("_samples_lock")
-        return d
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._samples_lock = threading.Lock()
 
 
 def _in_step_order(samples: list) -> list:
