@@ -513,3 +513,30 @@ def test_each_parameter_gets_its_own_groups_rate_and_only_a_second_moment_of_its
     adam.state[a]["exp_avg_sq"] = torch.ones(2, 3)
     adam.state[b]["exp_avg_sq"] = torch.ones(2)  # a factored moment (Adafactor-like): not per coordinate
     assert set(_second_moments(wrapped, names)) == {"a"}
+
+
+def test_a_checkpoint_records_its_order_and_defaults_and_a_resume_reads_them():
+    from codec_driver import one_rank_group
+
+    from lightning_gradcomp.hook import CodecHookState
+
+    one_rank_group()
+    strategy = CompressedDDPStrategy(codec="topk")
+    strategy.hook_state = CodecHookState(strategy.codec)
+    strategy.hook_state.memory.set("w", torch.ones(3))
+    strategy.hook_state.step = 9
+    strategy._optimizer_defaults = {"options": {"ratio": 0.1}, "controller": {"eta": 0.3}}
+    saved = strategy.gradcomp_state_dict()
+    assert saved["parameter_order"] is True and saved["world_size"] == 1
+    assert saved["optimizer_defaults"] == {"options": {"ratio": 0.1}, "controller": {"eta": 0.3}}
+
+    resumed = CompressedDDPStrategy(codec="topk", parallel_devices=[torch.device("cpu")])
+    state = CodecHookState(resumed.codec)
+    resumed._apply_checkpoint(state, saved)
+    assert resumed._resumed_from is saved  # setup reads what that run took beside Adam from it
+    assert state.step == 9 and torch.equal(state.memory.residuals["w"], torch.ones(3))
+    # written by two ranks: the shared state is restored, the residuals start from zero
+    other = CodecHookState(resumed.codec)
+    with pytest.warns(UserWarning, match="written by 2 ranks and this run has 1"):
+        resumed._apply_checkpoint(other, {**saved, "world_size": 2, "ranks": saved["ranks"] * 2})
+    assert other.step == 9 and dict(other.memory.residuals) == {}
