@@ -540,3 +540,32 @@ def test_a_checkpoint_records_its_order_and_defaults_and_a_resume_reads_them():
     with pytest.warns(UserWarning, match="written by 2 ranks and this run has 1"):
         resumed._apply_checkpoint(other, {**saved, "world_size": 2, "ranks": saved["ranks"] * 2})
     assert other.step == 9 and dict(other.memory.residuals) == {}
+
+
+def test_the_level_controller_is_attached_once_and_a_users_own_is_kept():
+    from types import SimpleNamespace
+
+    from lightning_gradcomp.callbacks import AdaptiveCompression
+
+    for given in ([], [AdaptiveCompression(eta=0.25)]):
+        strategy = CompressedDDPStrategy(codec="gradiveq")  # on by default
+        model = pl.LightningModule()
+        model._trainer = SimpleNamespace(callbacks=list(given))
+        strategy.connect(model)
+        strategy.connect(model)  # a second fit connects again
+        assert model._trainer.callbacks == (given or [strategy._adaptive_callback])
+
+
+def test_no_codec_is_not_told_it_compresses_nothing():
+    import warnings
+
+    from lightning_gradcomp.hook import CodecHookState
+
+    for codec, warns in (("none", False), ("topk", True)):
+        strategy = CompressedDDPStrategy(codec=codec)
+        strategy.hook_state = CodecHookState(strategy.codec)
+        strategy._lightning_module = nn.Linear(3, 2)  # far below any codec's min_numel
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            strategy._warn_nothing_to_compress()
+        assert any("compresses none" in str(w.message) for w in caught) == warns
