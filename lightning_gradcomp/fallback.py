@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_gradcomp import comm
+from lightning_gradcomp.memory import LocksNotPickled
 from lightning_gradcomp.timing import Clock, Mark, clock_for
 
 __all__ = ["FallbackPolicy", "default_enabled"]
@@ -67,7 +68,7 @@ def default_enabled() -> bool:
 log = logging.getLogger(__name__)
 
 
-class FallbackPolicy:
+class FallbackPolicy(LocksNotPickled):
     """Per-bucket timing and the one-off decision to stop compressing a bucket.
 
     Args:
@@ -119,10 +120,8 @@ class FallbackPolicy:
         self._marks: list[tuple[str, bool, bool, Mark, Mark, Mark]] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d.pop("_lock")
-        d["_marks"] = []  # CUDA events do not pickle; a pickled policy starts a fresh step
-        return d
+        # CUDA events do not pickle; a pickled policy starts a fresh step
+        return {**super().__getstate__(), "_marks": []}
 
     def use_device(self, device: torch.device) -> None:
         """Time the work of ``device`` (CUDA events on a GPU, the host clock on a CPU)."""
@@ -131,10 +130,6 @@ class FallbackPolicy:
     @property
     def clock(self) -> Clock:
         return clock_for(getattr(self, "_device", torch.device("cpu")))
-
-    def __setstate__(self, d: dict[str, Any]) -> None:
-        self.__dict__.update(d)
-        self._lock = threading.Lock()
 
     def falls_back(self, bucket_key: str) -> bool:
         return self._plain_probe is not None or bucket_key in self.fallback
