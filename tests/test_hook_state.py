@@ -12,6 +12,7 @@ import torch.nn as nn
 from codec_driver import one_rank_group
 
 from lightning_gradcomp.hook import CodecHookState
+from lightning_gradcomp.hook.consistency import make_context
 from lightning_gradcomp.hook.state import check_dense_gradients, read_in_bucket_order
 from lightning_gradcomp.registry import make_codec
 
@@ -226,7 +227,7 @@ def test_a_bucket_sent_plainly_drops_the_residuals_it_carried_but_commits_moment
 def test_a_rounds_context_samples_the_statistics_step_and_discards_with_the_buckets_keys():
     one_rank_group()
     codec = make_codec("topk")
-    codec.setup(make_context())
+    codec.setup(make_context(None, torch.device("cpu")))
     state = CodecHookState(codec, stats_every=4)
     assert [state.round_context(s).sample for s in range(6)] == [True, False, False, False, True, False]
     assert state.round_context(0).revertible
@@ -240,12 +241,6 @@ def test_a_rounds_context_samples_the_statistics_step_and_discards_with_the_buck
     zero.momentum_buffers.commit(["a", "b"])
     assert _values(zero.memory) == _values(zero.momentum_buffers) == {"a": 1.0, "b": 2.0}
     assert zero.consume_skip() and zero.nonfinite_steps == 1
-
-
-def make_context():
-    from lightning_gradcomp.hook.consistency import make_context as make
-
-    return make(None, torch.device("cpu"))
 
 
 def test_a_frozen_sparse_embedding_is_no_gradient_to_refuse():
