@@ -170,7 +170,11 @@ class CompressedDDPStrategy(DDPStrategy):
         self.nonfinite = nonfinite
         self.fallback = fallback
         self.adaptive_level = adaptive_level
-        self._adaptive_callback = _adaptive_callback(adaptive_level, self.codec)
+        # beside an Adam-like optimizer setup changes the controller this strategy attached by
+        # default (not a user's arguments, nor that of a codec object): check that change now too
+        self._adaptive_callback = _adaptive_callback(
+            adaptive_level, self.codec, optimizer_controller=adaptive_level is None and self._options_given is not None
+        )
         if self._adaptive_callback is not None and self._options_given is not None:
             # options a codec takes together with the controller's light steps, where not given
             # (a codec object is kept as it is); the codec has seen no process yet
@@ -628,10 +632,13 @@ class CompressedDDPStrategy(DDPStrategy):
             )
 
 
-def _adaptive_callback(adaptive_level: bool | dict[str, Any] | None, codec: Codec) -> Any:
+def _adaptive_callback(
+    adaptive_level: bool | dict[str, Any] | None, codec: Codec, optimizer_controller: bool = False
+) -> Any:
     """The ``AdaptiveCompression`` that ``adaptive_level`` asks for (``None``: the codec's
     ``adaptive_by_default``, on for ``lgc``, ``gradiveq`` and ``auto``), built and checked against the codec now,
-    before any process starts."""
+    before any process starts; with ``optimizer_controller`` also with the codec's
+    ``adaptive_optimizer_controller`` on top, the arguments it takes beside an Adam-like optimizer."""
     if adaptive_level is None:
         adaptive_level = codec.adaptive_by_default  # a mapping: on, with the arguments measured for this codec
     if adaptive_level is False:
@@ -655,7 +662,7 @@ def _adaptive_callback(adaptive_level: bool | dict[str, Any] | None, codec: Code
             f"adaptive_level: AdaptiveCompression has no argument {', '.join(map(repr, unknown))}. "
             f"Its arguments: {', '.join(known)}"
         )
-    if codec.adaptive_optimizer_controller:  # what an Adam-like optimizer switches to is valid too
+    if optimizer_controller and codec.adaptive_optimizer_controller:
         AdaptiveCompression(**{**arguments, **codec.adaptive_optimizer_controller})
     return AdaptiveCompression(**arguments)
 

@@ -569,3 +569,92 @@ def test_no_codec_is_not_told_it_compresses_nothing():
             warnings.simplefilter("always")
             strategy._warn_nothing_to_compress()
         assert any("compresses none" in str(w.message) for w in caught) == warns
+
+
+def _registered_state(codec: str, module: nn.Module, checkpoint: dict | None = None, **ddp_kwargs):
+    """The hook's state as ``_register_ddp_hooks`` leaves it, on a one-rank DDP wrapper, optionally
+    resuming ``checkpoint`` (no trainer: the run's length is unknown)."""
+    from types import SimpleNamespace
+
+    from codec_driver import one_rank_group
+
+    one_rank_group()
+    strategy = CompressedDDPStrategy(codec=codec, parallel_devices=[torch.device("cpu")], **ddp_kwargs)
+    strategy._lightning_module = SimpleNamespace(trainer=None)
+    strategy._model = DDP(module, **ddp_kwargs)
+    strategy._pending_checkpoint = checkpoint
+    strategy._register_ddp_hooks()
+    return strategy.hook_state
+
+
+def test_static_graph_and_a_resume_move_the_first_compressed_step_of_a_bucket_keyed_codec():
+    """DDP with ``static_graph`` rebuilds its buckets after step 1, so nothing is compressed before
+    step 3; a resumed wrapper rebuilds them again, so a codec whose state is keyed by bucket
+    (PowerSGD) waits as long again after the checkpoint's step, while other codecs go on at once."""
+    from lightning_gradcomp.hook import CodecHookState
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+
+    assert _registered_state("powersgd", model()).first_compress_step == 2
+    assert _registered_state("powersgd", model(), static_graph=True).first_compress_step == 3
+    for codec, first in (("powersgd", 9 + 2), ("topk", 2)):
+        writer = CompressedDDPStrategy(codec=codec)
+        writer.hook_state = CodecHookState(writer.codec)
+        writer.hook_state.step = 9
+        state = _registered_state(codec, model(), checkpoint=writer.gradcomp_state_dict())
+        assert (state.step, state.first_compress_step) == (9, first)
+
+
+def test_an_adopted_layer_policy_replans_the_layers_of_the_wrapped_model():
+    """Beside Adam ``lgc`` takes ``dense_layers="none"``: the end layers that the registered hook
+    planned to send dense (``"auto"``) are compressed from the first step."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 512), nn.Linear(512, 512), nn.Linear(512, 4))
+    state = _registered_state("lgc", module)
+    strategy_codec = state.codec
+    assert strategy_codec.dense_keys == {"0.weight", "0.bias", "3.weight", "3.bias"}
+    strategy = CompressedDDPStrategy(codec="lgc")
+    strategy.codec, strategy.hook_state = strategy_codec, state
+    strategy._model = DDP(module)
+    strategy._optimizers = [torch.optim.Adam(module.parameters())]
+    strategy._adopt_adaptive_optimizer_defaults()
+    assert strategy_codec.config()["dense_layers"] == ["none"] and strategy_codec.dense_keys == frozenset()
+
+
+def test_a_second_fit_does_not_read_the_first_fits_checkpoint(monkeypatch):
+    """What a checkpoint recorded is used by the setup of the fit that resumed it, and then
+    forgotten: a later fit in the same process is not told again that its options differ."""
+    import warnings
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    monkeypatch.setattr(DDPStrategy, "setup", lambda self, trainer: None)  # no model to wrap here
+    strategy = CompressedDDPStrategy(codec="topk", codec_options={"ratio": 0.02})
+    strategy._resumed_from = {"options": {**strategy.codec.config(), "ratio": 0.05}}
+    trainer = SimpleNamespace(callbacks=[])
+    with pytest.warns(UserWarning, match=r"ratio=0.05 there, 0.02 here"):
+        strategy.setup(trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strategy.setup(trainer)
+
+
+def test_the_controllers_arguments_beside_adam_are_checked_only_where_they_apply(monkeypatch):
+    """Beside an Adam-like optimizer the strategy sets the codec's ``adaptive_optimizer_controller``
+    on the controller it attached by default to a codec named by a string, so that combination is
+    checked before any process starts; a user's own ``adaptive_level`` is kept as given, and is
+    not refused for it."""
+    from lightning_gradcomp.registry import codec_class
+
+    topk = codec_class("topk")
+    monkeypatch.setattr(topk, "adaptive_by_default", {"high_level": 0.5})
+    monkeypatch.setattr(topk, "adaptive_optimizer_controller", {"low_level": 0.9})
+    with pytest.raises(ValueError, match=r"low_level \(0.9\) must not exceed high_level \(0.5\)"):
+        CompressedDDPStrategy(codec="topk")
+    strategy = CompressedDDPStrategy(codec="topk", adaptive_level={"high_level": 0.5})
+    assert strategy._adaptive_callback.high_level == 0.5
+    # nor is a codec given as an object, which the strategy keeps as it is
+    assert CompressedDDPStrategy(codec=topk())._adaptive_callback.high_level == 0.5
