@@ -23,6 +23,49 @@ class FakeClock:
         return self.t
 
 
+def start_step(policy: FallbackPolicy, clock: FakeClock, step_end_s: float = 0.0, exclude: str = "seconds") -> float:
+    """A step's start as the hook sees it, after ``step_end_s`` of step-end work (a refit) that
+    ``start_step`` is told to leave out, as seconds or as the clock's two marks around it; the
+    policy decides here once it can. Returns the time the step's first bucket starts."""
+    before = clock.t
+    clock.t += step_end_s
+    if exclude == "marks":
+        policy.start_step(exclude_s=(before, clock.t))
+    else:
+        policy.start_step(exclude_s=step_end_s)
+    policy.maybe_decide(None, torch.device("cpu"))
+    return clock.t
+
+
+def send_buckets(
+    policy: FallbackPolicy,
+    clock: FakeClock,
+    start: float,
+    buckets: list[tuple[str, float, float]],
+    compressed: bool,
+    step_s: float,
+) -> None:
+    """The buckets of a step that started at ``start`` and lasts ``step_s`` up to the next step's
+    start. ``buckets``: ``(key, body_s, link_s)``, launched one after the other as their hook
+    bodies end; a collective starts at the later of its launch and the previous bucket's
+    completion, and takes ``link_s`` on the link."""
+    events, launched, done = [], start, start
+    for key, body_s, link_s in buckets:
+        body_start, launched = launched, launched + body_s
+        done = max(launched, done) + link_s
+        events += [(launched, 0, key, body_start), (done, 1, key, None)]
+    futures = {}
+    for t, kind, key, body_start in sorted(events, key=lambda e: (e[0], e[1])):
+        clock.t = t
+        if kind == 0:
+            futures[key] = torch.futures.Future()
+            policy.track(futures[key], key, compressed, body_start)
+        else:
+            futures[key].set_result(torch.zeros(1))
+    assert clock.t <= start + step_s
+    clock.t = start + step_s
+
+
 def drive(
     policy: FallbackPolicy,
     clock: FakeClock,
@@ -34,22 +77,15 @@ def drive(
 ):
     """Run ``steps`` steps of one bucket as the hook does: a step takes ``plain_s`` when sent
     plainly and ``compressed_s`` when compressed (compression starts at step ``start``); the
-    bucket's collective takes 0.2 of a plain step, ``compressed_share`` of a compressed one.
-    Returns, per step, whether it was compressed."""
+    bucket's hook body takes 0.01 s, its collective 0.2 of a plain step, ``compressed_share`` of
+    a compressed one. Returns, per step, whether it was compressed."""
     kinds = []
     for step in range(steps):
-        policy.start_step()
-        policy.maybe_decide(None, torch.device("cpu"))
+        begin = start_step(policy, clock)
         compressed = step >= start and not policy.falls_back("bucket")
-        body_start = clock.t
         step_s = compressed_s if compressed else plain_s
-        clock.t += 0.01  # the hook body
-        fut = torch.futures.Future()
-        policy.track(fut, "bucket", compressed, body_start)
-        share = compressed_share if compressed else 0.2
-        clock.t += share * step_s  # the bucket's collective
-        fut.set_result(torch.zeros(1))
-        clock.t += (1 - share) * step_s - 0.01  # the rest of the step
+        link_s = (compressed_share if compressed else 0.2) * step_s
+        send_buckets(policy, clock, begin, [("bucket", 0.01, link_s)], compressed, step_s)
         kinds.append(compressed)
     return kinds
 
@@ -199,34 +235,8 @@ def run_step(
     step_end_s: float = 0.0,
     exclude: str = "seconds",
 ) -> None:
-    """One step as the hook runs it, ``step_s`` long from its first bucket to the next step's,
-    after ``step_end_s`` of step-end work (a refit) that ``start_step`` is told to leave out, as
-    seconds or as the clock's two marks around it. ``buckets``: ``(key, body_s, link_s)``, launched
-    one after the other as their hook bodies end; a collective starts at the later of its launch
-    and the previous bucket's completion, and takes ``link_s`` on the link."""
-    before = clock.t
-    clock.t += step_end_s
-    if exclude == "marks":
-        policy.start_step(exclude_s=(before, clock.t))
-    else:
-        policy.start_step(exclude_s=step_end_s)
-    start = clock.t
-    policy.maybe_decide(None, torch.device("cpu"))
-    events, launched, done = [], start, start
-    for key, body_s, link_s in buckets:
-        body_start, launched = launched, launched + body_s
-        done = max(launched, done) + link_s
-        events += [(launched, 0, key, body_start), (done, 1, key, None)]
-    futures = {}
-    for t, kind, key, body_start in sorted(events, key=lambda e: (e[0], e[1])):
-        clock.t = t
-        if kind == 0:
-            futures[key] = torch.futures.Future()
-            policy.track(futures[key], key, compressed, body_start)
-        else:
-            futures[key].set_result(torch.zeros(1))
-    assert clock.t <= start + step_s
-    clock.t = start + step_s
+    """One step as the hook runs it: :func:`start_step`, then :func:`send_buckets`."""
+    send_buckets(policy, clock, start_step(policy, clock, step_end_s, exclude), buckets, compressed, step_s)
 
 
 def test_a_buckets_costs_are_its_own_time_on_the_link_and_in_the_hook(clock):
