@@ -571,8 +571,8 @@ def test_no_codec_is_not_told_it_compresses_nothing():
         assert any("compresses none" in str(w.message) for w in caught) == warns
 
 
-def _registered_state(codec: str, module: nn.Module, checkpoint: dict | None = None, **ddp_kwargs):
-    """The hook's state as ``_register_ddp_hooks`` leaves it, on a one-rank DDP wrapper, optionally
+def _registered(codec: str, module: nn.Module, checkpoint: dict | None = None, **ddp_kwargs) -> CompressedDDPStrategy:
+    """A strategy as ``_register_ddp_hooks`` leaves it, on a one-rank DDP wrapper, optionally
     resuming ``checkpoint`` (no trainer: the run's length is unknown)."""
     from types import SimpleNamespace
 
@@ -584,7 +584,7 @@ def _registered_state(codec: str, module: nn.Module, checkpoint: dict | None = N
     strategy._model = DDP(module, **ddp_kwargs)
     strategy._pending_checkpoint = checkpoint
     strategy._register_ddp_hooks()
-    return strategy.hook_state
+    return strategy
 
 
 def test_static_graph_and_a_resume_move_the_first_compressed_step_of_a_bucket_keyed_codec():
@@ -597,13 +597,13 @@ def test_static_graph_and_a_resume_move_the_first_compressed_step_of_a_bucket_ke
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
 
-    assert _registered_state("powersgd", model()).first_compress_step == 2
-    assert _registered_state("powersgd", model(), static_graph=True).first_compress_step == 3
+    assert _registered("powersgd", model()).hook_state.first_compress_step == 2
+    assert _registered("powersgd", model(), static_graph=True).hook_state.first_compress_step == 3
     for codec, first in (("powersgd", 9 + 2), ("topk", 2)):
         writer = CompressedDDPStrategy(codec=codec)
         writer.hook_state = CodecHookState(writer.codec)
         writer.hook_state.step = 9
-        state = _registered_state(codec, model(), checkpoint=writer.gradcomp_state_dict())
+        state = _registered(codec, model(), checkpoint=writer.gradcomp_state_dict()).hook_state
         assert (state.step, state.first_compress_step) == (9, first)
 
 
@@ -612,15 +612,11 @@ def test_an_adopted_layer_policy_replans_the_layers_of_the_wrapped_model():
     planned to send dense (``"auto"``) are compressed from the first step."""
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 512), nn.Linear(512, 512), nn.Linear(512, 4))
-    state = _registered_state("lgc", module)
-    strategy_codec = state.codec
-    assert strategy_codec.dense_keys == {"0.weight", "0.bias", "3.weight", "3.bias"}
-    strategy = CompressedDDPStrategy(codec="lgc")
-    strategy.codec, strategy.hook_state = strategy_codec, state
-    strategy._model = DDP(module)
+    strategy = _registered("lgc", module)
+    assert strategy.codec.dense_keys == {"0.weight", "0.bias", "3.weight", "3.bias"}
     strategy._optimizers = [torch.optim.Adam(module.parameters())]
     strategy._adopt_adaptive_optimizer_defaults()
-    assert strategy_codec.config()["dense_layers"] == ["none"] and strategy_codec.dense_keys == frozenset()
+    assert strategy.codec.config()["dense_layers"] == ["none"] and strategy.codec.dense_keys == frozenset()
 
 
 def test_a_second_fit_does_not_read_the_first_fits_checkpoint(monkeypatch):
