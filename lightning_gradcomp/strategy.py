@@ -170,10 +170,9 @@ class CompressedDDPStrategy(DDPStrategy):
         self.nonfinite = nonfinite
         self.fallback = fallback
         self.adaptive_level = adaptive_level
-        # beside an Adam-like optimizer setup changes the controller this strategy attached by
-        # default (not a user's arguments, nor that of a codec object): check that change now too
+        # check now too what setup may change on the controller beside an Adam-like optimizer
         self._adaptive_callback = _adaptive_callback(
-            adaptive_level, self.codec, optimizer_controller=adaptive_level is None and self._options_given is not None
+            adaptive_level, self.codec, optimizer_controller=self._sets_optimizer_controller
         )
         if self._adaptive_callback is not None and self._options_given is not None:
             # options a codec takes together with the controller's light steps, where not given
@@ -197,6 +196,14 @@ class CompressedDDPStrategy(DDPStrategy):
         self._resumed_from: dict[str, Any] | None = None
         # what this run took beside an Adam-like optimizer; its checkpoints record it
         self._optimizer_defaults: dict[str, dict[str, Any]] = {"options": {}, "controller": {}}
+
+    @property
+    def _sets_optimizer_controller(self) -> bool:
+        """Whether setup, beside an Adam-like optimizer, sets the codec's
+        ``adaptive_optimizer_controller`` on the level controller: only on the one this strategy
+        attaches by default to a codec named by a string (a user's ``adaptive_level`` and a codec
+        object are kept as given)."""
+        return self.adaptive_level is None and self._options_given is not None
 
     # ----------------------------------------------------------------------------------------------
     @override
@@ -291,7 +298,7 @@ class CompressedDDPStrategy(DDPStrategy):
         taken = {k: config[k] for k in defaults if k not in self._options_given}
         self._optimizer_defaults["options"] = taken
         callback = self._adaptive_callback
-        if controller and self.adaptive_level is None and callback is not None:
+        if controller and self._sets_optimizer_controller and callback is not None:
             # only the controller this strategy attached by default; a user's arguments are kept
             for name, value in controller.items():
                 setattr(callback, name, value)
