@@ -23,8 +23,9 @@ in three stages, switched on the same global optimizer step on every rank:
    broadcast (identical on every rank, checked by a hash), compresses ``v_i``. The levels are
    fitted again every ``refit_every`` steps on rank 0's own messages; the autoencoder stays frozen.
    The learned code, its training data, its fits and its checkpoint are
-   :class:`~lightning_gradcomp.codecs.lgc_learning.LearnedCode`'s (``lgc_learning.py``); this file
-   holds the support, the messages, the collectives and the schedule.
+   :class:`~lightning_gradcomp.codecs.lgc_learning.LearnedCode`'s (``lgc_learning.py``), and how
+   the ranks of a union support tell one another the positions they name is ``lgc_names.py``'s;
+   this file holds the support, the messages, the collectives and the schedule.
 
 The learned code (``code``):
 
@@ -97,32 +98,18 @@ from lightning_gradcomp.codecs.base import (
     geometric_level,
     run_steps,
 )
-from lightning_gradcomp.codecs.bits import pack_mask, unpack_mask
 from lightning_gradcomp.codecs.lgc_autoencoder import MIN_AE_LEN, GradientAutoencoder
 from lightning_gradcomp.codecs.lgc_learning import LearnedCode
+from lightning_gradcomp.codecs.lgc_names import gap_code, gap_layout, gather_channel_names, gather_gap_names, names_in
 from lightning_gradcomp.codecs.positions import (
-    MAX_KERNEL,
-    channel_code_nbytes,
     channel_counts,
     choose_encoding,
-    counts_nbytes,
-    decode_channel_positions,
-    decode_counts,
     decode_positions,
-    encode_channel_positions,
     encode_counts,
     encode_positions,
     encoded_nbytes,
     kernel_counts,
-    kernel_fields,
-    kernel_index_bits,
-    kernel_positions,
     output_channels,
-    quotients_of,
-    rice_fields,
-    rice_low_bits,
-    rice_positions,
-    unary_bits,
     union_of,
     union_slots,
 )
@@ -819,8 +806,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         ]
         kernels = self.options.position_code == "kernel"
         layouts = [
-            self._gap_layout(p, n, m, kernels) if gapped else None
-            for (_, _, p), n, m in zip(layers, numels, named_sizes)
+            gap_layout(p, n, m, kernels) if gapped else None for (_, _, p), n, m in zip(layers, numels, named_sizes)
         ]
         # entries a channel of the layers whose messages take a scale a channel (0: one a message)
         pers = [self._channel_size(p, k, n) for (_, _, p), k, n in zip(layers, sizes, numels)]
@@ -852,7 +838,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 parts.append(encode_positions(idx, n, e))
         own_code = None
         if gapped:  # the names are coded now: their length travels in the first message, last
-            own_code = self._gap_code(mine, layouts, counts)
+            own_code = gap_code(mine, layouts, counts)
             parts.append(torch.tensor([own_code.numel()], dtype=torch.int32, device=device).view(torch.uint8))
         msg = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
         first = msg.numel()
@@ -862,13 +848,24 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         flag_rows = rows[:, : 4 * n_flags].reshape(-1).view(torch.float32).view(world, n_flags)
         passed = flag_rows.amin(0).tolist() if n_flags else []
         if gapped:  # a second round: the names, their lengths read from the first
-            names, second = self._gather_gap_names(mine, rows, 4 * n_flags, layouts, own_code)
+            names, second = gather_gap_names(
+                self.context.all_gather, rows, 4 * n_flags, self.rank, mine, layouts, own_code
+            )
         elif by_channel:  # a second round: the names, their sizes fixed by the counts
-            names, second = self._gather_channel_names(
-                mine, rows, 4 * n_flags, channels, counts, encodings, code_bytes, numels
+            names, second = gather_channel_names(
+                self.context.all_gather,
+                rows,
+                4 * n_flags,
+                self.rank,
+                mine,
+                channels,
+                counts,
+                encodings,
+                code_bytes,
+                numels,
             )
         else:
-            names, second = self._names_in(rows, 4 * n_flags, mine, encodings, code_bytes, numels), 0
+            names, second = names_in(rows, 4 * n_flags, self.rank, mine, encodings, code_bytes, numels), 0
         shared: dict[str, _Shared] = {}
         off_f = 0
         for i, ((key, _, _), k, m, a, n) in enumerate(zip(layers, sizes, named_sizes, use_code, numels)):
@@ -888,205 +885,6 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             shared[key] = _Shared(support, 1.0, None, coded, own_codes[i], named, k, slots, pers[i])
         self.last_timing["prepare_s"] = time.perf_counter() - t0
         return Prepared(first + second, shared, collective="allgather")
-
-    def _names_in(
-        self,
-        rows: Tensor,
-        offset: int,
-        mine: list[Tensor],
-        encodings: list[str],
-        code_bytes: list[int],
-        numels: list[int],
-    ) -> list[list[Tensor]]:
-        """Every rank's names from its gathered row of one code over each layer (the layer code,
-        ``code_bytes`` a layer), starting at byte ``offset``: per layer, per rank (this rank's own
-        as they were)."""
-        names = []
-        for idx, e, b, n in zip(mine, encodings, code_bytes, numels):
-            names.append(
-                [
-                    idx if r == self.rank else decode_positions(rows[r, offset : offset + b], idx.numel(), n, e)
-                    for r in range(self.world_size)
-                ]
-            )
-            offset += b
-        return names
-
-    def _gather_channel_names(
-        self,
-        mine: list[Tensor],
-        rows: Tensor,
-        offset: int,
-        channels: list[tuple[int, int] | None],
-        counts: list[Tensor | None],
-        encodings: list[str],
-        code_bytes: list[int],
-        numels: list[int],
-    ) -> tuple[list[list[Tensor]], int]:
-        """``position_code="channel"``: every rank's counts (read from the first all-gather) fix
-        its code sizes; a weight's names travel in the channel code where that is smaller than
-        the layer code (``code_bytes``). Returns the names per layer and rank, and the bytes of the second
-        all-gather (this rank's message, padded to the longest)."""
-        world, device = self.world_size, rows.device
-        all_counts: list[Tensor | None] = []
-        sizes = []
-        for ch in channels:
-            if ch is None:
-                all_counts.append(None)
-                continue
-            b = counts_nbytes(*ch)
-            gathered = torch.stack([decode_counts(rows[r, offset : offset + b], *ch) for r in range(world)])
-            all_counts.append(gathered)
-            sizes.append(channel_code_nbytes(gathered, ch[1]))
-            offset += b
-        channel_sizes = iter(torch.stack(sizes).tolist() if sizes else [])  # (weights, ranks): one host read
-        # per layer and rank: the code's bytes, and whether it is the channel code
-        plan: list[list[tuple[int, bool]]] = [
-            [(lb, False)] * world
-            if ch is None
-            else [(cb, True) if cb < lb else (lb, False) for cb in next(channel_sizes)]
-            for ch, lb in zip(channels, code_bytes)
-        ]
-        longest = max(sum(p[r][0] for p in plan) for r in range(world))
-        parts = []
-        for i, (idx, ch, e, n) in enumerate(zip(mine, channels, encodings, numels)):
-            size, per_channel = plan[i][self.rank]
-            if size:
-                parts.append(
-                    encode_channel_positions(idx, counts[i], ch[1]) if per_channel else encode_positions(idx, n, e)
-                )
-        mine_nbytes = sum(p[self.rank][0] for p in plan)
-        parts.append(torch.zeros(longest - mine_nbytes, dtype=torch.uint8, device=device))
-        msg = torch.cat(parts) if longest else torch.empty(0, dtype=torch.uint8, device=device)
-        rows2 = self.context.all_gather(msg)
-        names: list[list[Tensor]] = [[] for _ in mine]
-        for r in range(world):
-            off = 0
-            for i, (ch, e, n) in enumerate(zip(channels, encodings, numels)):
-                size, per_channel = plan[i][r]
-                if r == self.rank:
-                    names[i].append(mine[i])
-                elif per_channel:
-                    names[i].append(decode_channel_positions(rows2[r, off : off + size], all_counts[i][r], ch[1]))
-                else:
-                    names[i].append(decode_positions(rows2[r, off : off + size], mine[i].numel(), n, e))
-                off += size
-        return names, longest
-
-    @staticmethod
-    def _gap_layout(param: Tensor, n: int, m: int, kernels: bool) -> tuple[int, int, int] | None:
-        """How a layer's ``m`` names of ``n`` travel in the gap codes (``position_code`` ``"rice"``
-        or ``"kernel"``): ``(channels, entries a channel, entries a kernel)``. A weight names per
-        output channel, with ``kernels`` a convolution of at most :data:`MAX_KERNEL` entries a
-        kernel names its kernels; a vector or a one-channel weight is one channel, whose count is
-        ``m`` (no header); ``None`` where every position is named (no code)."""
-        if m >= n:
-            return None
-        channels = output_channels(param)
-        if channels == 1:
-            return 1, n, 1
-        size = math.prod(param.shape[2:]) if param.dim() > 2 else 1
-        return channels, n // channels, size if kernels and 2 <= size <= MAX_KERNEL else 1
-
-    @staticmethod
-    def _gap_fields(idx: Tensor, layout: tuple[int, int, int], counts: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """One layer's names as the gap code's low bits, unary values and kernel index bits."""
-        channels, per, size = layout
-        if channels == 1:
-            counts = idx.new_full((1,), idx.numel())
-        if size > 1:
-            return kernel_fields(idx, counts, per, size)
-        lows, quotients = rice_fields(idx, counts, per)
-        return lows, quotients, lows[:0]
-
-    def _gap_code(
-        self, mine: list[Tensor], layouts: list[tuple[int, int, int] | None], counts: list[Tensor | None]
-    ) -> Tensor:
-        """This rank's names in the gap codes as one bit stream (bool): every layer's low bits,
-        then one unary field of every layer's unary values, then the kernel code's indices."""
-        fields = [self._gap_fields(idx, lay, cnt) for idx, lay, cnt in zip(mine, layouts, counts) if lay is not None]
-        if not fields:
-            return torch.zeros(0, dtype=torch.bool, device=mine[0].device)
-        lows, unary, index = zip(*fields)
-        return torch.cat([*lows, unary_bits(torch.cat(unary)), *index])
-
-    def _gather_gap_names(
-        self,
-        mine: list[Tensor],
-        rows: Tensor,
-        offset: int,
-        layouts: list[tuple[int, int, int] | None],
-        own_code: Tensor,
-    ) -> tuple[list[list[Tensor]], int]:
-        """``position_code`` ``"rice"`` or ``"kernel"``: every rank's counts and code length (read
-        from the first all-gather) tell where its layers' low bits end and how many unary values
-        follow; the unary values give the kernels' index widths. The second all-gather carries
-        the codes, every rank's padded to the longest. Returns the names per layer and rank, and
-        the bytes of the second all-gather."""
-        world, device = self.world_size, rows.device
-        all_counts: list[Tensor | None] = []  # per layer, (world, channels)
-        for idx, lay in zip(mine, layouts):
-            if lay is None:
-                all_counts.append(None)
-            elif lay[0] > 1:
-                unit = lay[1] // lay[2]  # what a count counts in a channel: its entries, or its kernels
-                b = counts_nbytes(lay[0], unit)
-                all_counts.append(
-                    torch.stack([decode_counts(rows[r, offset : offset + b], lay[0], unit) for r in range(world)])
-                )
-                offset += b
-            else:
-                all_counts.append(torch.full((world, 1), idx.numel(), dtype=torch.long, device=device))
-        lengths = rows[:, offset : offset + 4].contiguous().view(torch.int32).reshape(-1).tolist()
-        longest = -(-max(lengths) // 8)
-        msg = pack_mask(own_code) if own_code.numel() else own_code.to(torch.uint8)
-        msg = torch.cat([msg, torch.zeros(longest - msg.numel(), dtype=torch.uint8, device=device)])
-        rows2 = self.context.all_gather(msg) if longest else None
-        names: list[list[Tensor]] = [[] for _ in mine]
-        for r in range(world):
-            decoded: dict[int, Tensor] = {}
-            if r != self.rank and rows2 is not None:
-                counts_r = [None if c is None else c[r] for c in all_counts]
-                decoded = self._read_gap_code(unpack_mask(rows2[r], lengths[r]), layouts, counts_r, mine)
-            for i, idx in enumerate(mine):
-                if r == self.rank:
-                    names[i].append(idx)
-                elif i in decoded:
-                    names[i].append(decoded[i])
-                else:  # every position named
-                    names[i].append(torch.arange(idx.numel(), device=device))
-        return names, longest
-
-    @staticmethod
-    def _read_gap_code(
-        bits: Tensor, layouts: list[tuple[int, int, int] | None], counts: list[Tensor | None], mine: list[Tensor]
-    ) -> dict[int, Tensor]:
-        """Inverse of :meth:`_gap_code` for one rank's ``bits``, given its ``counts``: the names
-        of every coded layer, by layer index. Each layer's low bits and unary values are functions
-        of the counts (a one-channel layer's count is the named size, that of this rank's own
-        names); the kernels' indices follow the unary field, their widths read from it."""
-        coded = [i for i, lay in enumerate(layouts) if lay is not None]
-        low_bits = [rice_low_bits(counts[i], layouts[i][1] // layouts[i][2]) for i in coded]
-        n_unary = [mine[i].numel() if layouts[i][2] == 1 else 2 * int(counts[i].sum()) for i in coded]
-        n_low = sum(low_bits)
-        quotients = quotients_of(bits[n_low:], sum(n_unary))
-        lows, unary = bits[:n_low].split(low_bits), quotients.split(n_unary)
-        kernel_layers = [j for j, i in enumerate(coded) if layouts[i][2] > 1]
-        index: dict[int, Tensor] = {}
-        if kernel_layers:
-            unary_end = n_low + int((quotients + 1).sum())
-            widths = [kernel_index_bits(unary[j][n_unary[j] // 2 :] + 1, layouts[coded[j]][2]) for j in kernel_layers]
-            index_bits = torch.stack(widths).tolist()
-            fields = bits[unary_end : unary_end + sum(index_bits)].split(index_bits)
-            index = dict(zip(kernel_layers, fields, strict=True))
-        decoded = {}
-        for j, i in enumerate(coded):
-            _, per, size = layouts[i]
-            if size > 1:
-                decoded[i] = kernel_positions(lows[j], unary[j], index[j], counts[i], per, size)
-            else:
-                decoded[i] = rice_positions(lows[j], unary[j], counts[i], per)
-        return decoded
 
     def _count_layer(
         self, step: int, stage: int, k: int, numel: int, values: int, eligible: bool, coded: bool, code_nbytes: int
