@@ -11,23 +11,23 @@ import pytest
 import torch
 
 from lightning_gradcomp.codecs.lgc_names import (
-    gap_code,
+    first_names,
     gap_layout,
     gather_channel_names,
     gather_gap_names,
+    names_in,
     read_gap_code,
 )
-from lightning_gradcomp.codecs.positions import (
-    channel_counts,
-    choose_encoding,
-    encode_counts,
-    encoded_nbytes,
-    kernel_counts,
-)
+from lightning_gradcomp.codecs.positions import choose_encoding, encoded_nbytes
 
 # a convolution with 3x3 kernels, a linear weight, a vector, a layer whose every position is named
 PARAMS = [torch.zeros(8, 4, 3, 3), torch.zeros(10, 30), torch.zeros(50), torch.zeros(6, 2)]
 NAMED = [29, 40, 7, 12]
+# (channels, entries a channel) of the weights whose names travel per channel, as lgc sets them
+CHANNELS = [(8, 36), (10, 30), None, None]
+NUMELS = [p.numel() for p in PARAMS]
+ENCODINGS = [choose_encoding("auto", m, n) for m, n in zip(NAMED, NUMELS)]
+CODE_BYTES = [encoded_nbytes(e, m, n) for e, m, n in zip(ENCODINGS, NAMED, NUMELS)]
 
 
 def _names(seed: int) -> list[torch.Tensor]:
@@ -46,18 +46,13 @@ def _layouts(kernels: bool) -> list:
     return [gap_layout(p, p.numel(), m, kernels) for p, m in zip(PARAMS, NAMED)]
 
 
-def _counts(names: list[torch.Tensor], layouts: list) -> list[torch.Tensor | None]:
-    """What a rank counts for the first message: kernels a channel for the kernel code, names a
-    channel for the Rice code of a weight, nothing for a one-channel or a fully named layer."""
-    counts: list[torch.Tensor | None] = []
-    for idx, lay in zip(names, layouts):
-        if lay is None or lay[0] == 1:
-            counts.append(None)
-        elif lay[2] > 1:
-            counts.append(kernel_counts(idx, *lay))
-        else:
-            counts.append(channel_counts(idx, lay[0], lay[1]))
-    return counts
+def _first(
+    names: list[torch.Tensor], layouts: list, gapped: bool, by_channel: bool = True
+) -> tuple[torch.Tensor, list, torch.Tensor | None]:
+    """A rank's first message for its names, its counts and its gap code."""
+    channels = CHANNELS if by_channel else [None] * len(PARAMS)
+    parts, counts, code = first_names(names, channels, layouts, ENCODINGS, NUMELS, by_channel, gapped)
+    return torch.cat(parts), counts, code
 
 
 def test_layouts_name_kernels_channels_and_a_vector():
@@ -68,8 +63,10 @@ def test_layouts_name_kernels_channels_and_a_vector():
 @pytest.mark.parametrize("kernels", [True, False])
 def test_the_gap_code_of_several_layers_reads_back_exactly_past_its_padding(kernels):
     layouts, names = _layouts(kernels), _names(0)
-    counts = _counts(names, layouts)
-    bits = torch.cat([gap_code(names, layouts, counts), torch.zeros(13, dtype=torch.bool)])
+    _, counts, code = _first(names, layouts, gapped=True)
+    assert counts[0].numel() == 8 and counts[2] is None and counts[3] is None
+    assert code.numel() > 0
+    bits = torch.cat([code, torch.zeros(13, dtype=torch.bool)])
     # a receiver knows a one-channel layer's count: the named size
     read_counts = [torch.tensor([m]) if c is None else c for c, m in zip(counts, NAMED)]
     decoded = read_gap_code(bits, layouts, read_counts, names)
@@ -105,16 +102,8 @@ def _two_ranks(first_messages: list[torch.Tensor], exchange) -> list:
 def test_a_rank_learns_the_other_ranks_gap_coded_names(kernels):
     layouts = _layouts(kernels)
     names = [_names(0), _names(1)]
-    counts = [_counts(n, layouts) for n in names]
-    codes = [gap_code(n, layouts, c) for n, c in zip(names, counts)]
+    firsts, _, codes = zip(*(_first(n, layouts, gapped=True) for n in names))
     assert codes[0].numel() != codes[1].numel()  # the shorter one is padded
-    firsts = [
-        torch.cat(
-            [encode_counts(c, lay[1] // lay[2]) for c, lay in zip(cs, layouts) if c is not None]
-            + [torch.tensor([code.numel()], dtype=torch.int32).view(torch.uint8)]
-        )
-        for cs, code in zip(counts, codes)
-    ]
     got, second = _two_ranks(
         firsts,
         lambda gather, rows, rank: gather_gap_names(gather, rows, 0, rank, names[rank], layouts, codes[rank]),
@@ -128,17 +117,25 @@ def test_a_rank_learns_the_other_ranks_gap_coded_names(kernels):
 
 def test_a_rank_learns_the_other_ranks_channel_coded_names():
     names = [_names(0), _names(1)]
-    numels = [p.numel() for p in PARAMS]
-    encodings = [choose_encoding("auto", m, n) for m, n in zip(NAMED, numels)]
-    code_bytes = [encoded_nbytes(e, m, n) for e, m, n in zip(encodings, NAMED, numels)]
-    channels = [(8, 36), (10, 30), None, None]  # the weights; the vector and the full layer one code
-    counts = [[None if ch is None else channel_counts(idx, *ch) for idx, ch in zip(n, channels)] for n in names]
-    firsts = [torch.cat([encode_counts(c, ch[1]) for c, ch in zip(cs, channels) if ch is not None]) for cs in counts]
+    no_gaps = [None] * len(PARAMS)
+    firsts, counts, codes = zip(*(_first(n, no_gaps, gapped=False) for n in names))
+    assert codes == (None, None)
     got, _ = _two_ranks(
         firsts,
         lambda gather, rows, rank: gather_channel_names(
-            gather, rows, 0, rank, names[rank], channels, counts[rank], encodings, code_bytes, numels
+            gather, rows, 0, rank, names[rank], CHANNELS, counts[rank], ENCODINGS, CODE_BYTES, NUMELS
         ),
     )
+    for i in range(len(PARAMS)):
+        assert torch.equal(got[i][0], names[0][i]) and got[i][1] is names[1][i]
+
+
+def test_a_rank_reads_the_other_ranks_layer_coded_names_from_the_first_message():
+    names = [_names(0), _names(1)]
+    no_gaps = [None] * len(PARAMS)
+    firsts, counts, _ = zip(*(_first(n, no_gaps, gapped=False, by_channel=False) for n in names))
+    assert all(c is None for c in counts[0])
+    assert firsts[0].numel() == sum(CODE_BYTES)  # one code a layer, its size known from the count
+    got = names_in(torch.stack(firsts), 0, 1, names[1], ENCODINGS, CODE_BYTES, NUMELS)
     for i in range(len(PARAMS)):
         assert torch.equal(got[i][0], names[0][i]) and got[i][1] is names[1][i]

@@ -100,15 +100,19 @@ from lightning_gradcomp.codecs.base import (
 )
 from lightning_gradcomp.codecs.lgc_autoencoder import MIN_AE_LEN, GradientAutoencoder
 from lightning_gradcomp.codecs.lgc_learning import LearnedCode
-from lightning_gradcomp.codecs.lgc_names import gap_code, gap_layout, gather_channel_names, gather_gap_names, names_in
+from lightning_gradcomp.codecs.lgc_names import (
+    first_names,
+    gap_layout,
+    gather_channel_names,
+    gather_gap_names,
+    names_in,
+)
 from lightning_gradcomp.codecs.positions import (
     channel_counts,
     choose_encoding,
     decode_positions,
-    encode_counts,
     encode_positions,
     encoded_nbytes,
-    kernel_counts,
     output_channels,
     union_of,
     union_slots,
@@ -823,23 +827,10 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                     levels.encode_by_channel(v, table, idx // per, n // per) if per else levels.encode(v, table)
                 )
                 flags.append(self._within_gate(v, own_codes[i][1]))
-        # the first message a rank: its guard flags (fp32), then its channel counts, or (no
-        # channel code) the positions it names, per layer
+        # the first message a rank: its guard flags (fp32), then its names' part
         parts = [torch.stack(flags).to(torch.float32).view(torch.uint8)] if flags else []
-        counts: list[Tensor | None] = [None] * len(layers)
-        for i, (idx, ch, lay, e, n) in enumerate(zip(mine, channels, layouts, encodings, numels)):
-            if lay is not None and lay[2] > 1:  # the kernel code counts kernels
-                counts[i] = kernel_counts(idx, *lay)
-                parts.append(encode_counts(counts[i], lay[1] // lay[2]))
-            elif ch is not None:
-                counts[i] = channel_counts(idx, *ch)
-                parts.append(encode_counts(counts[i], ch[1]))
-            elif not by_channel:
-                parts.append(encode_positions(idx, n, e))
-        own_code = None
-        if gapped:  # the names are coded now: their length travels in the first message, last
-            own_code = gap_code(mine, layouts, counts)
-            parts.append(torch.tensor([own_code.numel()], dtype=torch.int32, device=device).view(torch.uint8))
+        name_parts, counts, own_code = first_names(mine, channels, layouts, encodings, numels, by_channel, gapped)
+        parts += name_parts
         msg = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
         first = msg.numel()
         rows = self.context.all_gather(msg)

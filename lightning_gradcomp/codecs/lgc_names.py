@@ -16,9 +16,10 @@ The names travel in one of three ways (``position_code``):
     one bit stream a rank: every layer's low bits, one unary field, then the kernel code's indices
     (:func:`gap_code`, :func:`gather_gap_names`, :func:`read_gap_code`).
 
-An all-gather moves equal sizes, so every second message is padded to the longest. Each function
-takes the gathered ``rows`` (one a rank) and the byte ``offset`` where the names' part of a row
-begins, and returns the names per layer and rank, this rank's own as they were.
+:func:`first_names` builds a rank's part of the first all-gather. An all-gather moves equal sizes,
+so every second message is padded to the longest. Each reading function takes the gathered
+``rows`` (one a rank) and the byte ``offset`` where the names' part of a row begins, and returns
+the names per layer and rank, this rank's own as they were.
 """
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ from lightning_gradcomp.codecs.bits import pack_mask, unpack_mask
 from lightning_gradcomp.codecs.positions import (
     MAX_KERNEL,
     channel_code_nbytes,
+    channel_counts,
     counts_nbytes,
     decode_channel_positions,
     decode_counts,
     decode_positions,
     encode_channel_positions,
+    encode_counts,
     encode_positions,
+    kernel_counts,
     kernel_fields,
     kernel_index_bits,
     kernel_positions,
@@ -50,7 +54,15 @@ from lightning_gradcomp.codecs.positions import (
     unary_bits,
 )
 
-__all__ = ["gap_code", "gap_layout", "gather_channel_names", "gather_gap_names", "names_in", "read_gap_code"]
+__all__ = [
+    "first_names",
+    "gap_code",
+    "gap_layout",
+    "gather_channel_names",
+    "gather_gap_names",
+    "names_in",
+    "read_gap_code",
+]
 
 Layout = tuple[int, int, int]
 AllGather = Callable[[Tensor], Tensor]
@@ -140,6 +152,38 @@ def gather_channel_names(
                 names[i].append(decode_positions(rows2[r, off : off + size], mine[i].numel(), n, e))
             off += size
     return names, longest
+
+
+def first_names(
+    mine: list[Tensor],
+    channels: list[tuple[int, int] | None],
+    layouts: list[Layout | None],
+    encodings: list[str],
+    numels: list[int],
+    by_channel: bool,
+    gapped: bool,
+) -> tuple[list[Tensor], list[Tensor | None], Tensor | None]:
+    """This rank's part of the first all-gather, per layer: the kernel code's counts of kernels
+    a channel, a channel code's counts of names, or (no code by channel: ``"layer"``) the layer
+    code of its names; with the gap codes (``gapped``) then the length in bits of its code, as
+    one int32, last. Returns the parts (uint8), the counts per layer (``None`` where none travel)
+    and this rank's gap code (``None`` without one), which the second all-gather carries."""
+    parts: list[Tensor] = []
+    counts: list[Tensor | None] = [None] * len(mine)
+    for i, (idx, ch, lay, e, n) in enumerate(zip(mine, channels, layouts, encodings, numels)):
+        if lay is not None and lay[2] > 1:  # the kernel code counts kernels
+            counts[i] = kernel_counts(idx, *lay)
+            parts.append(encode_counts(counts[i], lay[1] // lay[2]))
+        elif ch is not None:
+            counts[i] = channel_counts(idx, *ch)
+            parts.append(encode_counts(counts[i], ch[1]))
+        elif not by_channel:
+            parts.append(encode_positions(idx, n, e))
+    own_code = None
+    if gapped:  # the names are coded now: their length travels last
+        own_code = gap_code(mine, layouts, counts)
+        parts.append(torch.tensor([own_code.numel()], dtype=torch.int32, device=mine[0].device).view(torch.uint8))
+    return parts, counts, own_code
 
 
 def gap_layout(param: Tensor, n: int, m: int, kernels: bool) -> Layout | None:
