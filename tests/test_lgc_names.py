@@ -18,13 +18,15 @@ from lightning_gradcomp.codecs.lgc_names import (
     names_in,
     read_gap_code,
 )
-from lightning_gradcomp.codecs.positions import choose_encoding, encoded_nbytes
+from lightning_gradcomp.codecs.positions import channel_code_nbytes, choose_encoding, encoded_nbytes
 
-# a convolution with 3x3 kernels, a linear weight, a vector, a layer whose every position is named
-PARAMS = [torch.zeros(8, 4, 3, 3), torch.zeros(10, 30), torch.zeros(50), torch.zeros(6, 2)]
-NAMED = [29, 40, 7, 12]
+# a convolution with 3x3 kernels, a linear weight, a vector, a layer whose every position is
+# named, a 1-D convolution with kernels of 2 (the kernel code's smallest)
+PARAMS = [torch.zeros(8, 4, 3, 3), torch.zeros(10, 30), torch.zeros(50), torch.zeros(6, 2), torch.zeros(4, 3, 2)]
+NAMED = [29, 40, 7, 12, 5]
 # (channels, entries a channel) of the weights whose names travel per channel, as lgc sets them
-CHANNELS = [(8, 36), (10, 30), None, None]
+CHANNELS = [(8, 36), (10, 30), None, None, (4, 6)]
+CODED = [0, 1, 2, 4]  # the layers with a gap code: all but the fully named one
 NUMELS = [p.numel() for p in PARAMS]
 ENCODINGS = [choose_encoding("auto", m, n) for m, n in zip(NAMED, NUMELS)]
 CODE_BYTES = [encoded_nbytes(e, m, n) for e, m, n in zip(ENCODINGS, NAMED, NUMELS)]
@@ -56,8 +58,8 @@ def _first(
 
 
 def test_layouts_name_kernels_channels_and_a_vector():
-    assert _layouts(kernels=True) == [(8, 36, 9), (10, 30, 1), (1, 50, 1), None]
-    assert _layouts(kernels=False)[0] == (8, 36, 1)
+    assert _layouts(kernels=True) == [(8, 36, 9), (10, 30, 1), (1, 50, 1), None, (4, 6, 2)]
+    assert _layouts(kernels=False)[0] == (8, 36, 1) and _layouts(kernels=False)[4] == (4, 6, 1)
 
 
 @pytest.mark.parametrize("kernels", [True, False])
@@ -70,8 +72,8 @@ def test_the_gap_code_of_several_layers_reads_back_exactly_past_its_padding(kern
     # a receiver knows a one-channel layer's count: the named size
     read_counts = [torch.tensor([m]) if c is None else c for c, m in zip(counts, NAMED)]
     decoded = read_gap_code(bits, layouts, read_counts, names)
-    assert sorted(decoded) == [0, 1, 2]
-    for i in range(3):
+    assert sorted(decoded) == CODED
+    for i in CODED:
         assert torch.equal(decoded[i], names[i])
 
 
@@ -109,9 +111,8 @@ def test_a_rank_learns_the_other_ranks_gap_coded_names(kernels):
         lambda gather, rows, rank: gather_gap_names(gather, rows, 0, rank, names[rank], layouts, codes[rank]),
     )
     assert second == -(-max(c.numel() for c in codes) // 8)
-    for i, full in enumerate(NAMED[3:], start=3):  # every position named: no code
-        assert torch.equal(got[i][0], torch.arange(full))
-    for i in range(3):
+    assert torch.equal(got[3][0], torch.arange(NAMED[3]))  # every position named: no code
+    for i in CODED:
         assert torch.equal(got[i][0], names[0][i]) and got[i][1] is names[1][i]
 
 
@@ -120,7 +121,7 @@ def test_a_rank_learns_the_other_ranks_channel_coded_names():
     no_gaps = [None] * len(PARAMS)
     firsts, counts, codes = zip(*(_first(n, no_gaps, gapped=False) for n in names))
     assert codes == (None, None)
-    got, _ = _two_ranks(
+    got, second = _two_ranks(
         firsts,
         lambda gather, rows, rank: gather_channel_names(
             gather, rows, 0, rank, names[rank], CHANNELS, counts[rank], ENCODINGS, CODE_BYTES, NUMELS
@@ -128,6 +129,15 @@ def test_a_rank_learns_the_other_ranks_channel_coded_names():
     )
     for i in range(len(PARAMS)):
         assert torch.equal(got[i][0], names[0][i]) and got[i][1] is names[1][i]
+    # each weight in the smaller of its two codes, every rank's message padded to the longest
+    per_rank = [
+        sum(
+            b if c is None else min(b, int(channel_code_nbytes(c[None], ch[1])))
+            for c, ch, b in zip(cs, CHANNELS, CODE_BYTES)
+        )
+        for cs in counts
+    ]
+    assert second == max(per_rank) < sum(CODE_BYTES)
 
 
 def test_a_rank_reads_the_other_ranks_layer_coded_names_from_the_first_message():
