@@ -107,9 +107,10 @@ class CompressedDDPStrategy(DDPStrategy):
             (``{"eta": 0.5, "interval": 50}``); ``None`` (default): on for ``codec="lgc"``,
             ``codec="gradiveq"`` and ``codec="iwp"`` (measured to train clearly better with it,
             docs/benchmarks.md; ``gradiveq`` with ``lr_reference="peak"``, its measured rule, and
-            ``lgc`` and ``iwp`` so beside an Adam-like optimizer: the codec's
-            ``adaptive_optimizer_controller``; ``iwp`` with ``lr_scaled_feedback=True`` whenever the
-            controller runs: its ``adaptive_harness_defaults``) and
+            ``lgc`` and ``iwp`` so beside an Adam-like optimizer, where ``gradiveq`` holds its
+            light level (``high_level=0``): the codec's ``adaptive_optimizer_controller``; ``iwp``
+            with ``lr_scaled_feedback=True`` whenever the controller runs: its
+            ``adaptive_harness_defaults``) and
             ``codec="auto"`` (its accuracy budget: no heavy arm in a critical regime), off for every
             other codec. The codec must be adjustable (``topk``, ``iwp``, ``qsgd``, ``powersgd``,
             ``gradiveq``, ``fft``, ``lgc``, ``auto``). An ``AdaptiveCompression`` among the trainer's callbacks is

@@ -248,6 +248,27 @@ def test_gradiveq_beside_adam_quantizes_its_coefficients_finer_unless_told_other
     assert codec.options.quant_levels == 7
 
 
+def test_gradiveq_beside_adam_holds_its_light_level_unless_told_otherwise():
+    """Beside Adam the heavy steps' 4 components cost mIoU wherever they fell, so the controller
+    attached by default holds the light level: 16 components on every step."""
+    strategy = _set_up_beside("adamw", codec="gradiveq")
+    controller = strategy._adaptive_callback
+    assert (controller.low_level, controller.high_level, controller.lr_reference) == (0.0, 0.0, "peak")
+    assert strategy._optimizer_defaults == {"options": {"quant_levels": 31}, "controller": {"high_level": 0.0}}
+    codec = strategy.codec
+    codec.set_level(controller.high_level)
+    assert codec.num_components == 16  # min(d, 4k) for the default k = 4 and d = 64
+    codec.set_level(1.0)
+    assert codec.num_components == 4
+    # beside SGD the heavy level stays the configured 4 components
+    assert _controller_beside("sgd", codec="gradiveq").high_level is None
+    # the user's own arguments are kept, and a run whose checkpoint took no controller arguments
+    # beside Adam (an earlier version) goes on with the schedule it started with
+    assert _controller_beside("adamw", codec="gradiveq", adaptive_level={"lr_reference": "peak"}).high_level is None
+    recorded = {"optimizer_defaults": {"options": {"quant_levels": 31}, "controller": {}}}
+    assert _controller_beside("adamw", codec="gradiveq", resumed_from=recorded).high_level is None
+
+
 def _controller_beside(optimizer: str, **kwargs):
     return _set_up_beside(optimizer, **kwargs)._adaptive_callback
 
