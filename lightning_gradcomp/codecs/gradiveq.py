@@ -277,7 +277,7 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
             ``variance_target`` is not given, i.e. ``d / k = 16``; our choice). With
             ``variance_target`` it is the upper bound of the k picked (default ``d``). Beside an
             Adam-like optimizer the level controller that ``CompressedDDPStrategy`` attaches by
-            default holds the light level, ``min(d, 4k)`` = 16 components on every step
+            default holds the light level, ``min(d, 4k)`` components on every step (16 for the defaults)
             (:attr:`adaptive_optimizer_controller`).
         variance_target: if given, in ``(0, 1]``: each fit picks per layer the smallest k whose
             components explain this fraction of the sampled gradient energy (the paper picks k by
