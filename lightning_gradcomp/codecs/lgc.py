@@ -14,7 +14,8 @@ in three stages, switched on the same global optimizer step on every rank:
    PowerSGD error memory is kept per layer and sent with the first step of stage 2. With
    ``warmup_codec="terngrad"`` stage 1 sends every layer from step 2 as TernGrad's 2-bit
    stochastic codes (:class:`~lightning_gradcomp.codecs.terngrad.TernGradCodec`, all-gathered),
-   16 times fewer bytes than fp32; they are unbiased, so no residual is kept.
+   16 times fewer bytes than fp32; they are unbiased, so no residual is kept. Both are
+   :class:`~lightning_gradcomp.codecs.lgc_warmup.StageOneCodecs`' (``lgc_warmup.py``).
 2. the next ``ae_train_steps`` steps: top-k on a *shared support* with error
    feedback. Every step a leader (rank ``step % N``) picks each layer's top-k positions ``S``
    (``k = ceil(ratio * numel)``) and broadcasts them; every rank sends its values ``v_i = x_i[S]``
@@ -23,9 +24,11 @@ in three stages, switched on the same global optimizer step on every rank:
    broadcast (identical on every rank, checked by a hash), compresses ``v_i``. The levels are
    fitted again every ``refit_every`` steps on rank 0's own messages; the autoencoder stays frozen.
    The learned code, its training data, its fits and its checkpoint are
-   :class:`~lightning_gradcomp.codecs.lgc_learning.LearnedCode`'s (``lgc_learning.py``), and how
-   the ranks of a union support tell one another the positions they name is ``lgc_names.py``'s;
-   this file holds the support, the messages, the collectives and the schedule.
+   :class:`~lightning_gradcomp.codecs.lgc_learning.LearnedCode`'s (``lgc_learning.py``); the union
+   support's round and messages are :class:`~lightning_gradcomp.codecs.lgc_union.UnionSupport`'s
+   (``lgc_union.py``), and how its ranks tell one another the positions they name is
+   ``lgc_names.py``'s. This file holds the leader's support, its messages, the stages and the
+   collectives.
 
 The learned code (``code``):
 
@@ -56,7 +59,7 @@ The learned code (``code``):
 
 With ``support="union"`` no rank leads: in stages 2 and 3 each rank names the ``ceil(k / N)``
 largest positions of its own gradient, the names are all-gathered, and every rank sends its values
-on their union (:meth:`LGCCodec._prepare_union`).
+on their union (``lgc_union.py``).
 
 Layers whose ``k`` is below :data:`MIN_AE_LEN` send their values on the shared support without a
 learned code (all-gathered sums of ``v_i``, exact). Residual (error feedback): everything outside
@@ -71,7 +74,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
@@ -99,14 +102,10 @@ from lightning_gradcomp.codecs.base import (
     run_steps,
 )
 from lightning_gradcomp.codecs.lgc_autoencoder import MIN_AE_LEN, GradientAutoencoder
+from lightning_gradcomp.codecs.lgc_layers import TERNARY, LayerContext, LayerPrepared, TernaryLayer
 from lightning_gradcomp.codecs.lgc_learning import LearnedCode
-from lightning_gradcomp.codecs.lgc_names import (
-    first_names,
-    gap_layout,
-    gather_channel_names,
-    gather_gap_names,
-    names_in,
-)
+from lightning_gradcomp.codecs.lgc_union import UnionSupport
+from lightning_gradcomp.codecs.lgc_warmup import StageOneCodecs
 from lightning_gradcomp.codecs.positions import (
     channel_counts,
     choose_encoding,
@@ -114,12 +113,8 @@ from lightning_gradcomp.codecs.positions import (
     encode_positions,
     encoded_nbytes,
     output_channels,
-    union_of,
-    union_slots,
 )
-from lightning_gradcomp.codecs.powersgd import PowerSGDCodec
-from lightning_gradcomp.codecs.sampling import DensityWarmup, check_density_warmup, keep_count, named_count, select_top
-from lightning_gradcomp.codecs.terngrad import TernGradCodec
+from lightning_gradcomp.codecs.sampling import DensityWarmup, check_density_warmup, keep_count, select_top
 from lightning_gradcomp.registry import register_codec
 
 __all__ = ["LGCCodec", "LGCOptions", "GradientAutoencoder", "MIN_AE_LEN"]
@@ -133,45 +128,6 @@ POSITION_CODES = ("kernel", "rice", "channel", "layer")
 WARMUP_CODECS = ("allreduce", "powersgd", "terngrad")
 #: the paper's stage lengths (SOFF: 200 dense rounds, 300 collecting), the caps of fractions
 WARMUP_CAP, AE_TRAIN_CAP = 200, 300
-
-
-class _Shared(NamedTuple):
-    """What :meth:`LGCCodec.prepare_bucket` hands to :meth:`LGCCodec.encode` for one layer."""
-
-    support: Tensor  # the leader's positions (a union support: every rank's), sorted
-    scale: Tensor | float  # the AE's input scale (the leader's RMS); 1.0 otherwise
-    leader_latent: Tensor | None  # "ps": the leader's latent
-    coded: bool  # the learned code carries the layer this step
-    own_code: Any  # the leader's own code, computed for the run-time guard (reused by encode)
-    named: Tensor | None = None  # a union support: (N, K) mask, True where that rank named the position
-    size: int = 0  # a union support: the support's configured size k (it picks the levels' table)
-    slots: tuple[list[Tensor], list[Tensor]] | None = None  # a union support in stage 3: union_slots
-    per: int = 0  # entries a channel where the messages scale by channel (light_scale); 0: by message
-
-
-class _Ternary:
-    """A layer of stage 1 with ``warmup_codec="terngrad"``: its ``prepared`` and its decode context
-    (TernGrad needs nothing beyond the payload)."""
-
-    __slots__ = ()
-
-
-_TERNARY = _Ternary()
-
-
-class _LayerContext(NamedTuple):
-    """A layer's decode context."""
-
-    support: Tensor
-    scale: Tensor | float
-    leader_latent: Tensor | None
-    step: int
-    key: str
-    coded: bool
-    named: Tensor | None = None
-    size: int = 0
-    slots: tuple[list[Tensor], list[Tensor]] | None = None
-    per: int = 0
 
 
 @dataclass(frozen=True)
@@ -265,7 +221,7 @@ class LGCOptions(CodecOptions):
 
 
 @register_codec("lgc")
-class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
+class LGCCodec(LearnedCode, UnionSupport, StageOneCodecs, AdjustableLevel, MultiRound, Codec):
     """Learned Gradient Compression with a shared support (see the module docstring).
 
     Args:
@@ -485,10 +441,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self._init_learned_code()
-        self._warmup_codec = self._make_warmup_codec()
-        self._ternary = self._make_ternary()
-        self._handoff: dict[str, Tensor] = {}  # its error memory at the end of stage 1, per layer
-        self._handoff_spans: dict[int, list] = {}  # the buckets handed off this step (end_step)
+        self._init_stage_one()
         self.last_timing: dict[str, float] = {}
 
     def check_harness(self, harness: HarnessOptions) -> None:
@@ -501,36 +454,11 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                 "take neither momentum correction nor precondition: use warmup_codec='allreduce' with them"
             )
 
-    def _make_warmup_codec(self) -> PowerSGDCodec | None:
-        """``warmup_codec="powersgd"``: torch's PowerSGD through our wrapper, which runs stage 1."""
-        o = self.options
-        return PowerSGDCodec(rank=o.warmup_rank) if o.warmup_codec == "powersgd" else None
-
-    def _make_ternary(self) -> TernGradCodec | None:
-        """``warmup_codec="terngrad"``: TernGrad as its baseline runs (clipped at 2.5 standard
-        deviations), its rounding seeded by ``seed``."""
-        return TernGradCodec(seed=self.options.seed) if self.options.warmup_codec == "terngrad" else None
-
     def replace_options(self, **changes: Any) -> None:
         warmup = (self.options.warmup_codec, self.options.warmup_rank, self.options.seed)
         super().replace_options(**changes)
-        if (self.options.warmup_codec, self.options.warmup_rank, self.options.seed) == warmup:
-            return  # a warm-up codec already set up keeps its state
-        self._warmup_codec = self._make_warmup_codec()
-        self._ternary = self._make_ternary()
-        if self.context is not None:
-            # options replaced after setup (the defaults beside Adam are adopted once the
-            # optimizers exist): the new warm-up codec is set up as this one was, at its level
-            if self._warmup_codec is not None:
-                self._warmup_codec.setup(self.context)
-                self._warmup_codec.set_level(self.compression_level)
-            if self._ternary is not None:
-                self._ternary.setup(self.context)
-
-    @property
-    def bucket_keyed_state(self) -> bool:  # type: ignore[override]
-        # PowerSGD keys its factors and error by DDP bucket index (see MultiRound)
-        return self._warmup_codec is not None
+        if (self.options.warmup_codec, self.options.warmup_rank, self.options.seed) != warmup:
+            self._rebuild_stage_one()  # else a warm-up codec already set up keeps its state
 
     # ----------------------------------------------------------------------------------------------
     # schedule
@@ -576,53 +504,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
     def setup(self, context: CodecContext) -> None:
         super().setup(context)
         self.ae.to(context.device)
-        if self._warmup_codec is not None:
-            self._warmup_codec.setup(context)
-        if self._ternary is not None:
-            self._ternary.setup(context)
-
-    def on_level_change(self) -> None:
-        if self._warmup_codec is not None:  # PowerSGD's rank follows the level in stage 1
-            self._warmup_codec.set_level(self.compression_level)
-
-    def communicate_bucket(self, bucket: Any, layers: list, flag: Tensor, rc: RoundContext) -> Any:
-        """Stage 1 with ``warmup_codec="powersgd"``: the bucket goes through PowerSGD. At the last
-        step of stage 1 PowerSGD's error-feedback memory is handed to stage 2, layer by layer."""
-        assert self._warmup_codec is not None
-        fut = self._warmup_codec.communicate_bucket(bucket, layers, flag, rc)
-        if self.stage(rc.step + 1) == 1:
-            return fut
-        buf = bucket.buffer()
-        base = buf.data_ptr()
-        spans = [(k, (g.data_ptr() - base) // buf.element_size(), g.numel()) for k, g, _ in layers]
-        index = bucket.index()
-        self._handoff_spans[index] = spans
-
-        def hand_off(f: torch.futures.Future) -> Tensor:
-            out = f.value()
-            self._hand_off(index, spans)
-            return out
-
-        return fut.then(hand_off)
-
-    def _hand_off(self, index: int, spans: list) -> None:
-        err = self._warmup_codec.pop_error(index)
-        for k, start, n in spans:
-            if err is None:
-                self._handoff.pop(k, None)
-            else:
-                self._handoff[k] = err[start : start + n].clone()
-
-    def end_step(self, discarded: bool) -> None:
-        """With a PowerSGD stage 1: a discarded step puts PowerSGD's state back, and if it was the
-        last step of stage 1, what stage 2 takes over is PowerSGD's error from before the step."""
-        if self._warmup_codec is None:
-            return
-        restored = self._warmup_codec.end_step(discarded)
-        spans, self._handoff_spans = self._handoff_spans, {}
-        for index in restored:  # a non-finite bucket went through no PowerSGD: it handed off its old error
-            if index in spans:
-                self._hand_off(index, spans[index])
+        self._setup_stage_one(context)
 
     def _device(self) -> torch.device:
         """The device of the AE (the codec context's once set up)."""
@@ -667,7 +549,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
 
     def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], rc: RoundContext) -> Prepared:
         """The leader's support (and, in stage 3, its scales, flags and latents), broadcast once
-        for the bucket; each layer's :class:`_Shared` is what ``encode`` gets as ``prepared``."""
+        for the bucket; each layer's :class:`LayerPrepared` is what ``encode`` gets as ``prepared``."""
         t0 = time.perf_counter()
         step = rc.step
         stage = self.stage(step)
@@ -675,12 +557,8 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             self.train_autoencoder()
             stage = self.stage(step)
         if stage == 1 and self._ternary is not None:  # no rounds of its own: each layer's codes
-            return Prepared(0, {key: _TERNARY for key, _, _ in layers})
-        if self._handoff:  # the first step after a PowerSGD stage 1: what it held back travels now
-            for key, x, _ in layers:
-                held = self._handoff.pop(key, None)
-                if held is not None:
-                    x.add_(held.to(x.device))
+            return Prepared(0, {key: TERNARY for key, _, _ in layers})
+        self._take_handoff(layers)
         if self.options.support == "union" and stage >= 2:
             return self._prepare_union(layers, step, stage, t0)
         leader = step % self.world_size  # a rank of the codec's group
@@ -753,7 +631,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         flag_values = flag_bytes.view(torch.float32).tolist() if n_flags else []
         latents = msg[4 * (n_scales + n_flags) : 4 * (n_scales + n_flags + n_lat)].view(torch.float32)
         off_b, off_f, off_z = 4 * (n_scales + n_flags + n_lat), 0, 0
-        shared: dict[str, _Shared] = {}
+        shared: dict[str, LayerPrepared] = {}
         for i, ((key, _, _), k, a, nl, e, b, n) in enumerate(
             zip(layers, sizes, use_ae, lat, encodings, code_bytes, numels)
         ):
@@ -772,110 +650,9 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
                     off_z += nl
             code_nbytes = self._code_nbytes(key, k, n, pers[i]) if coded else 0
             self._count_layer(step, stage, k, n, k, a, coded, code_nbytes)
-            shared[key] = _Shared(idx, s, z, coded, own_codes[i], per=pers[i])
+            shared[key] = LayerPrepared(idx, s, z, coded, own_codes[i], per=pers[i])
         self.last_timing["prepare_s"] = time.perf_counter() - t0
         return Prepared(nbytes, shared)
-
-    def _prepare_union(self, layers: list[tuple[str, Tensor, Tensor]], step: int, stage: int, t0: float) -> Prepared:
-        """``support="union"``: every rank names the ``ceil(k / N)`` largest positions of its own
-        layer and the names are all-gathered with each rank's guard flags; the support is their
-        union (at most ``k`` positions), and every rank knows who named what.
-
-        With ``position_code="channel"`` the first all-gather carries the flags and each weight's
-        output-channel counts, which fix every rank's code sizes; the second carries the names,
-        per layer in the smaller of the channel code and the layer code, every rank's message
-        padded to the longest (an all-gather moves equal sizes).
-
-        In stage 3 each rank passes its own named values through the leader's levels (the run-time
-        guard of the leader's support, on every rank): the code carries a layer this step only
-        where every rank's flag passes. One host read of the gathered flags a bucket (and one of
-        the code sizes)."""
-        world, device = self.world_size, layers[0][1].device
-        numels = [x.numel() for _, x, _ in layers]
-        sizes = [self.k_for(n, step) for n in numels]
-        named_sizes = [named_count(k, world) for k in sizes]
-        encodings = [choose_encoding("auto", m, n) for m, n in zip(named_sizes, numels)]
-        code_bytes = [encoded_nbytes(e, m, n) for e, m, n in zip(encodings, named_sizes, numels)]
-        use_code = [
-            stage == 3 and k >= MIN_AE_LEN and key in self._ae_layers and self._codes_support(k, n)
-            for (key, _, _), k, n in zip(layers, sizes, numels)
-        ]
-        # (channels, entries a channel) of the weights whose names travel per channel; None: one
-        # code over the layer (a vector, a one-channel weight, a full layer, position_code="layer")
-        gapped = self.options.position_code in ("rice", "kernel")
-        by_channel = gapped or self.options.position_code == "channel"
-        channels = [
-            (c, n // c) if by_channel and (c := output_channels(p)) > 1 and b > 0 else None
-            for (_, _, p), n, b in zip(layers, numels, code_bytes)
-        ]
-        kernels = self.options.position_code == "kernel"
-        layouts = [
-            gap_layout(p, n, m, kernels) if gapped else None for (_, _, p), n, m in zip(layers, numels, named_sizes)
-        ]
-        # entries a channel of the layers whose messages take a scale a channel (0: one a message)
-        pers = [self._channel_size(p, k, n) for (_, _, p), k, n in zip(layers, sizes, numels)]
-        n_flags = sum(use_code)
-        mine: list[Tensor] = []
-        own_codes: list[Any] = [None] * len(layers)
-        flags = []
-        for i, ((key, x, _), k, m, a, n, per) in enumerate(zip(layers, sizes, named_sizes, use_code, numels, pers)):
-            idx = self._select(x, m, step)
-            mine.append(idx)
-            if a:
-                v, table = x[idx], self._levels_for(key, k, n, levels.LEADER)
-                own_codes[i] = (
-                    levels.encode_by_channel(v, table, idx // per, n // per) if per else levels.encode(v, table)
-                )
-                flags.append(self._within_gate(v, own_codes[i][1]))
-        # the first message a rank: its guard flags (fp32), then its names' part
-        parts = [torch.stack(flags).to(torch.float32).view(torch.uint8)] if flags else []
-        name_parts, counts, own_code = first_names(mine, channels, layouts, encodings, numels, by_channel, gapped)
-        parts += name_parts
-        msg = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
-        first = msg.numel()
-        rows = self.context.all_gather(msg)
-        # reshape, not contiguous(): one rank's (1, n) slice counts as contiguous with its row
-        # stride, and a dtype view needs the bytes to follow one another
-        flag_rows = rows[:, : 4 * n_flags].reshape(-1).view(torch.float32).view(world, n_flags)
-        passed = flag_rows.amin(0).tolist() if n_flags else []
-        if gapped:  # a second round: the names, their lengths read from the first
-            names, second = gather_gap_names(
-                self.context.all_gather, rows, 4 * n_flags, self.rank, mine, layouts, own_code
-            )
-        elif by_channel:  # a second round: the names, their sizes fixed by the counts
-            names, second = gather_channel_names(
-                self.context.all_gather,
-                rows,
-                4 * n_flags,
-                self.rank,
-                mine,
-                channels,
-                counts,
-                encodings,
-                code_bytes,
-                numels,
-            )
-        else:
-            names, second = names_in(rows, 4 * n_flags, self.rank, mine, encodings, code_bytes, numels), 0
-        shared: dict[str, _Shared] = {}
-        off_f = 0
-        for i, ((key, _, _), k, m, a, n) in enumerate(zip(layers, sizes, named_sizes, use_code, numels)):
-            support, named = union_of(names[i], n)  # sorted, and who named what
-            coded = False
-            if a:
-                coded = passed[off_f] > 0.5
-                off_f += 1
-            u, sent = support.numel(), 0
-            if coded:
-                bits, per = levels.table_bits(self._levels_for(key, k, n)), pers[i]
-                sent = levels.message_nbytes(m, bits) + (levels.message_nbytes(u - m, bits) if u > m else 0)
-                sent += (1 + (u > m)) * 2 * (n // per) if per else 0  # the channels' scales, bfloat16
-            self._count_layer(step, stage, k, n, u, a, coded, sent)
-            # where each rank's names sit in the support: read by the code and by the refit samples
-            slots = union_slots(names[i], n, support, named) if a or self._keeps_refit_sample(key, step) else None
-            shared[key] = _Shared(support, 1.0, None, coded, own_codes[i], named, k, slots, pers[i])
-        self.last_timing["prepare_s"] = time.perf_counter() - t0
-        return Prepared(first + second, shared, collective="allgather")
 
     def _count_layer(
         self, step: int, stage: int, k: int, numel: int, values: int, eligible: bool, coded: bool, code_nbytes: int
@@ -936,11 +713,13 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
 
     # ----------------------------------------------------------------------------------------------
     # encode / decode
-    def encode(self, x: Tensor, key: str, param: Tensor, step: int, prepared: _Shared | None = None) -> EncodeResult:
-        """``prepared``: the layer's :class:`_Shared`, from :meth:`prepare_bucket` (required)."""
+    def encode(
+        self, x: Tensor, key: str, param: Tensor, step: int, prepared: LayerPrepared | None = None
+    ) -> EncodeResult:
+        """``prepared``: the layer's :class:`LayerPrepared`, from :meth:`prepare_bucket` (required)."""
         if prepared is None:
             raise RuntimeError(f"lgc.encode of {key!r} needs the layer's context from prepare_bucket")
-        if isinstance(prepared, _Ternary):
+        if isinstance(prepared, TernaryLayer):
             return self._encode_ternary(x, key, param, step)
         if prepared.named is not None:
             return self._encode_union(x, key, step, prepared)
@@ -955,8 +734,8 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         if not coded:  # stage 2, a layer the code does not carry, or one the guard sent exactly
             sent = self._exact(v, step)
             local[idx] = sent.to(local.dtype)
-            return EncodeResult([sent], local=local, ctx=_LayerContext(idx, s, None, step, key, False, per=per))
-        ctx = _LayerContext(idx, s, z_lead, step, key, True, per=per)
+            return EncodeResult([sent], local=local, ctx=LayerContext(idx, s, None, step, key, False, per=per))
+        ctx = LayerContext(idx, s, z_lead, step, key, True, per=per)
         if not self.uses_autoencoder:
             # the levels: what this rank's message decodes to is exactly its share of the sum
             if own_code is not None:
@@ -986,17 +765,6 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
             local[idx] = s * self.ae.decode(z_lead, k, u.unsqueeze(0))[0]
             return EncodeResult([v[pos], pos.to(torch.int32)], local=local, ctx=ctx)
 
-    def _encode_ternary(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
-        """Stage 1 with ``warmup_codec="terngrad"``: the layer as TernGrad's scale and 2-bit codes.
-        Its rounding is unbiased, so the residual keeps nothing (as the ``terngrad`` baseline,
-        which runs without error feedback): feeding back a zero-mean error of the gradient's own
-        size would add its variance to later steps. ``sent`` is what the codes decode to, so
-        ``rel_error`` counts the rounding."""
-        assert self._ternary is not None
-        enc = self._ternary.encode(x, key, param, step)
-        enc.sent, enc.local, enc.ctx = enc.local, x, _TERNARY
-        return enc
-
     def _exact(self, v: Tensor, step: int) -> Tensor:
         """Values that travel exactly, in the harness's ``plain_dtype`` where they are gathered
         (summed in fp32 after the gather); ``local`` takes them as sent, so with error feedback the
@@ -1005,67 +773,6 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         if plain == v.dtype or self.collective_at(step) != "allgather":
             return v
         return v.to(plain)
-
-    def _encode_union(self, x: Tensor, key: str, step: int, prepared: _Shared) -> EncodeResult:
-        """A union support: this rank's values at the positions it named travel on the leader's
-        levels, its values at the others' positions on the others' levels (two messages); exact
-        values where the code does not carry the layer."""
-        idx, coded, own_code = prepared.support, prepared.coded, prepared.own_code
-        named, k, per = prepared.named, prepared.size, prepared.per
-        v = x[idx]
-        local = torch.zeros_like(x)
-        ctx = _LayerContext(idx, 1.0, None, step, key, coded, named, k, prepared.slots, per)
-        if self._keeps_refit_sample(key, step):
-            denser = k > keep_count(self.options.ratio, x.numel())
-            own, rest = (slots[self.rank] for slots in prepared.slots)
-            for part, role in ((own, levels.LEADER), (rest, levels.OTHERS)):
-                if part.numel():  # the values as their message scales them
-                    sample = v.index_select(0, part)
-                    if per:
-                        channels = idx.index_select(0, part) // per
-                        sample = levels.normalize_by_channel(sample, channels, x.numel() // per)[0]
-                    self._stage_for_refit(key, step, sample, denser, role)
-        if not coded:
-            sent = self._exact(v, step)
-            local[idx] = sent.to(local.dtype)
-            return EncodeResult([sent], local=local, ctx=ctx)
-        message, rec = own_code
-        own, rest = (slots[self.rank] for slots in prepared.slots)
-        decoded = torch.empty_like(v).index_copy_(0, own, rec)
-        if rest.numel():  # else every rank named the same positions: nothing else to send
-            values, table = v.index_select(0, rest), self._levels_for(key, k, x.numel(), levels.OTHERS)
-            other_message, other_rec = (
-                levels.encode_by_channel(values, table, idx.index_select(0, rest) // per, x.numel() // per)
-                if per
-                else levels.encode(values, table)
-            )
-            decoded.index_copy_(0, rest, other_rec)
-            message = message + other_message
-        local[idx] = decoded
-        return EncodeResult(message, local=local, ctx=ctx)
-
-    def _aggregate_union(self, payloads: Sequence[list[Tensor]], ctx: _LayerContext, numel: int) -> Tensor:
-        """The sum of every rank's decoded values on a union support where the code carries the
-        layer (:meth:`_encode_union`)."""
-        idx, (owns, rests), per = ctx.support, ctx.slots, ctx.per
-        out = torch.zeros(numel, dtype=torch.float32, device=payloads[0][0].device)
-        table = self._levels_for(ctx.key, ctx.size, numel)
-        total = torch.zeros(idx.numel(), dtype=torch.float32, device=out.device)
-        width = 3 if per else 2  # tensors a message: [channels' scales,] r, codes
-
-        def decoded_part(message: list[Tensor], row: Tensor, part: Tensor) -> Tensor:
-            if per:
-                return levels.decode_by_channel(message, row, idx.index_select(0, part) // per)
-            return levels.decode(message, row, part.numel())
-
-        for p, own, rest in zip(payloads, owns, rests):
-            decoded = torch.empty_like(total)
-            decoded.index_copy_(0, own, decoded_part(p[0:width], table[levels.LEADER], own))
-            if rest.numel():
-                decoded.index_copy_(0, rest, decoded_part(p[width : 2 * width], table[levels.OTHERS], rest))
-            total += decoded
-        out[idx] = total
-        return out
 
     def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
         # allreduce (RAR stage 3): payload is the sum over ``count`` ranks; return the sum of gradients
@@ -1080,7 +787,7 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         return out
 
     def aggregate(self, payloads: Sequence[list[Tensor]], ctx: Any, numel: int) -> Tensor:
-        if isinstance(ctx, _Ternary):  # stage 1 through TernGrad: the sum of every rank's codes
+        if isinstance(ctx, TernaryLayer):  # stage 1 through TernGrad: the sum of every rank's codes
             assert self._ternary is not None
             return self._ternary.aggregate(payloads, None, numel)
         idx, s, z_lead, step, key, coded = ctx[:6]
@@ -1189,23 +896,3 @@ class LGCCodec(LearnedCode, AdjustableLevel, MultiRound, Codec):
         if warmup is not None and self._warmup_codec is not None:
             self._warmup_codec.load_state_dict(warmup)
         self._load_learned_state_dict(state)
-
-    # per rank: PowerSGD's error memory and P during stage 1, and what it hands to stage 2
-    def rank_state_dict(self) -> dict[str, Tensor]:
-        if self._warmup_codec is None:
-            return {}
-        out = {f"warmup.{k}": v for k, v in self._warmup_codec.rank_state_dict().items()}
-        out.update({f"handoff.{k}": v.detach().cpu().clone() for k, v in self._handoff.items()})
-        return out
-
-    def load_rank_state_dict(self, state: dict[str, Tensor]) -> None:
-        if self._warmup_codec is None:
-            if state:
-                raise ValueError(
-                    "this checkpoint holds the per-rank state of lgc's PowerSGD warm-up: "
-                    "resume with codec_options={'warmup_codec': 'powersgd'}"
-                )
-            return
-        prefix = "warmup."
-        self._warmup_codec.load_rank_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
-        self._handoff = {k[len("handoff.") :]: v for k, v in state.items() if k.startswith("handoff.")}

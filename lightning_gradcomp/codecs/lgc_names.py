@@ -1,7 +1,7 @@
 """How the ranks of ``lgc``'s union support tell one another the positions they name.
 
 With ``support="union"`` every rank names the largest positions of its own layer, and every rank
-must learn every other rank's names (:meth:`~lightning_gradcomp.codecs.lgc.LGCCodec._prepare_union`).
+must learn every other rank's names (:meth:`~lightning_gradcomp.codecs.lgc_union.UnionSupport._prepare_union`).
 The names travel in one of three ways (``position_code``):
 
 ``"layer"``
