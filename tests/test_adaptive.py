@@ -269,6 +269,21 @@ def test_the_rule_counts_a_fall_of_the_norm_and_a_start_from_zero_and_one_step_p
     assert cb.steps_at_level == {0.0: 10, 1.0: 4}
 
 
+def test_a_held_level_keeps_no_window_and_decides_nothing():
+    """low_level equal to the heavy level: the level is set, logged and counted every step, and no
+    gradient is summed, no decision made (a decision would need an all-reduce); a drop of the rate
+    changes nothing either."""
+    cb = AdaptiveCompression(interval=2, warmup=2, low_level=0.0, high_level=0.0)
+    levels, module = _drive(cb, [1, 1, 3, 3, 1, 1, 9, 9], [0.1] * 4 + [0.01] * 4)
+    assert levels == [0.0] * 8, levels
+    assert cb.steps_at_level == {0.0: 8}
+    assert cb.decisions == [] and cb._window_sum == {} and cb._window_count == 0
+    assert "gradcomp/grad_change" not in module.logged and module.logged["gradcomp/level"] == 0.0
+    # held at the heavy level too: the codec's own level when fit starts
+    levels, _ = _drive(AdaptiveCompression(interval=2, warmup=2, low_level=1.0), [1, 1, 3, 3], [0.1] * 4)
+    assert levels == [1.0] * 4, levels
+
+
 def test_the_heavy_level_is_the_codecs_level_when_fit_starts():
     # fft's level is its theta: heavy steps run at the configured theta, 0.75, not at 1
     levels, _ = _drive(AdaptiveCompression(interval=2, warmup=2), [1] * 6, [0.1] * 6, make_codec("fft", theta=0.75))

@@ -97,6 +97,11 @@ class AdaptiveCompression(Callback):
     step alone, one all-reduce (MAX) of the norm and of the verdict, outside the DDP hook, makes
     the decision one for all.
 
+    **A held level.** When ``low_level`` equals the heavy level (``high_level``, or the codec's
+    level at fit start), every verdict would give the same level: the callback then sets, logs
+    and counts that level and does nothing else (no window, no norm, no all-reduce, no decisions).
+    ``CompressedDDPStrategy`` attaches it so for ``gradiveq`` beside an Adam-like optimizer.
+
     Logged: ``gradcomp/level`` (the level in use, every step) and ``gradcomp/grad_change`` (the
     relative change, at each decision). Checkpointed: the level, the window's sum and count, the
     previous norm, the rates, the decisions and the steps run at each level, so a resumed run
@@ -238,6 +243,10 @@ class AdaptiveCompression(Callback):
         codec = self._codec(trainer)
         in_use = float(codec.compression_level)
         self.steps_at_level[in_use] = self.steps_at_level.get(in_use, 0) + 1
+        if self.low_level == self._high:
+            # a held level (gradiveq's default beside Adam): every verdict gives the same level, so
+            # no window is kept, no norm taken and no collective run
+            return
         self._add_to_window(pl_module)
         if self._learning_rate_dropped(trainer):
             self.level = self.low_level
