@@ -58,7 +58,7 @@ class StageOneCodecs:
 
     def _take_handoff(self, layers: list[tuple[str, Tensor, Tensor]]) -> None:
         """The first step after a PowerSGD stage 1: what it held back travels now, added to each
-        layer's gradient (with error feedback already in it)."""
+        layer's ``x`` before the support is chosen."""
         if self._handoff:
             for key, x, _ in layers:
                 held = self._handoff.pop(key, None)
