@@ -455,9 +455,9 @@ class LGCCodec(LearnedCode, UnionSupport, StageOneCodecs, AdjustableLevel, Multi
             )
 
     def replace_options(self, **changes: Any) -> None:
-        warmup = (self.options.warmup_codec, self.options.warmup_rank, self.options.seed)
+        warmup = self._stage_one_options()
         super().replace_options(**changes)
-        if (self.options.warmup_codec, self.options.warmup_rank, self.options.seed) != warmup:
+        if self._stage_one_options() != warmup:
             self._rebuild_stage_one()  # else a warm-up codec already set up keeps its state
 
     # ----------------------------------------------------------------------------------------------

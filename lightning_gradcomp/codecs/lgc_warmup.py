@@ -39,6 +39,10 @@ class StageOneCodecs:
         self._handoff: dict[str, Tensor] = {}  # its error memory at the end of stage 1, per layer
         self._handoff_spans: dict[int, list] = {}  # the buckets handed off this step (end_step)
 
+    def _stage_one_options(self) -> tuple[str, int, int]:
+        """The options the warm-up codec is built from: a change of any of them rebuilds it."""
+        return self.options.warmup_codec, self.options.warmup_rank, self.options.seed
+
     def _rebuild_stage_one(self) -> None:
         """The warm-up options changed: a new warm-up codec. Options replaced after setup (the
         defaults beside Adam are adopted once the optimizers exist) set it up as the old one was,
