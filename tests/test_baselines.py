@@ -11,7 +11,15 @@ from hypothesis import strategies as st
 
 from lightning_gradcomp import CodecContext, make_codec
 from lightning_gradcomp.codecs.base import RoundContext
-from lightning_gradcomp.codecs.bits import pack_bits, packed_nbytes, unpack_bits
+from lightning_gradcomp.codecs.bits import (
+    digits_nbytes,
+    digits_per_byte,
+    pack_bits,
+    pack_digits,
+    packed_nbytes,
+    unpack_bits,
+    unpack_digits,
+)
 from lightning_gradcomp.comm import pack, unpack, wire_bytes
 
 
@@ -29,6 +37,27 @@ def test_bit_packing_round_trips(bits, n, seed):
     packed = pack_bits(codes, bits)
     assert packed.dtype == torch.uint8 and packed.numel() == packed_nbytes(n, bits)
     assert torch.equal(unpack_bits(packed, bits, n), codes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(base=st.integers(2, 256), n=st.integers(0, 300), seed=st.integers(0, 2**16))
+def test_digit_packing_round_trips_in_the_fewest_whole_digits_a_byte(base, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, base, (n,), generator=g, dtype=torch.int32)
+    packed = pack_digits(codes, base)
+    per = digits_per_byte(base)
+    assert base**per <= 256 < base ** (per + 1)  # as many digits as a byte holds, no more
+    assert packed.dtype == torch.uint8 and packed.numel() == digits_nbytes(n, base) == -(-n // per)
+    assert torch.equal(unpack_digits(packed, base, n), codes)
+    if base in (2, 4, 16, 256):  # a power of two dividing 256: the bit fields' bytes exactly
+        assert torch.equal(packed, pack_bits(codes, base.bit_length() - 1))
+
+
+def test_ternary_codes_pack_five_to_a_byte():
+    assert digits_per_byte(3) == 5 and digits_nbytes(11_000_000, 3) == 2_200_000  # 1.6 bits, not 2
+    assert digits_per_byte(5) == 3 and digits_per_byte(15) == 2 and digits_per_byte(17) == 1
+    with pytest.raises(ValueError, match="base must be in"):
+        digits_per_byte(1)
 
 
 def test_pack_unpack_keeps_dtypes_and_shapes():
@@ -94,17 +123,17 @@ def test_fp16_bound_follows_the_world_size_and_compresses_every_layer():
     assert float(tiny[0]) <= codec.error_bound(tiny)
 
 
-@pytest.mark.parametrize("levels, bits", [(1, 4), (7, 4), (8, 8), (127, 8)])
+@pytest.mark.parametrize("levels, bits", [(1, 1.6), (2, 8 / 3), (3, 4), (7, 4), (8, 8), (127, 8)])
 def test_qsgd_is_unbiased_and_bounded(levels, bits):
     codec = setup_codec("qsgd", levels=levels, chunk_size=64)
-    assert codec.bits == bits
+    assert codec.bits == bits  # the 2s + 1 signed levels as digits, as many to a byte as fit
     x = torch.randn(256, generator=torch.Generator().manual_seed(1))
     draws = torch.stack([codec.encode(x, "w", x, step).local for step in range(3000)])
     mean = draws.mean(0)
-    assert torch.allclose(mean, x, atol=0.15 if levels == 1 else 0.05)
+    assert torch.allclose(mean, x, atol=0.15 if levels <= 3 else 0.05)
     enc = codec.encode(x, "w", x, 0)
     norms, codes = enc.payload
-    assert codes.numel() == packed_nbytes(256, bits)
+    assert codes.numel() == math.ceil(256 * bits / 8) == digits_nbytes(256, 2 * levels + 1)
     decoded = codec.decode(enc.payload, None, 256, 1)
     assert torch.equal(decoded, enc.local)
     # each chunk travels with its L2 norm (not its largest magnitude: that scale is unbiased too,
@@ -137,7 +166,7 @@ def test_terngrad_is_ternary_and_unbiased_for_the_clipped_gradient():
     scale = float(enc.payload[0])
     assert math.isclose(scale, float(clipped.abs().max()), rel_tol=1e-6)
     assert set(torch.unique(enc.local / scale).tolist()) <= {-1.0, 0.0, 1.0}
-    assert enc.payload[1].numel() == packed_nbytes(512, 2)  # 2 bits a value
+    assert enc.payload[1].numel() == digits_nbytes(512, 3) == 103  # five to a byte: 1.6 bits a value
     assert torch.equal(codec.decode(enc.payload, None, 512, 1), enc.local)
     mean = torch.stack([codec.encode(x, "w", x, s).local for s in range(3000)]).mean(0)
     assert torch.allclose(mean, clipped, atol=0.12)

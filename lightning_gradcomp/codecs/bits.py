@@ -1,8 +1,9 @@
 """Packing small unsigned integer codes into bytes, so a b-bit code costs b bits on the wire.
 
 Every packer here writes the least significant bit first, so a bitmap packed with
-:func:`pack_mask` is byte for byte ``pack_bits(mask, 1)``. The one home of bit packing: codecs and
-position codes use these functions, never their own.
+:func:`pack_mask` is byte for byte ``pack_bits(mask, 1)``. A code whose number of symbols is not a
+power of two packs denser as digits (:func:`pack_digits`): a ternary code 5 to a byte. The one home
+of bit packing: codecs and position codes use these functions, never their own.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ __all__ = [
     "pack_codes",
     "unpack_codes",
     "codes_nbytes",
+    "digits_per_byte",
+    "pack_digits",
+    "unpack_digits",
+    "digits_nbytes",
 ]
 
 
@@ -111,3 +116,55 @@ def unpack_codes(packed: Tensor, bits: int, n: int) -> Tensor:
 
 def codes_nbytes(n: int, bits: int) -> int:
     return packed_nbytes(n, bits) if bits <= 8 else n + codes_nbytes(n, bits - 8)
+
+
+def digits_per_byte(base: int) -> int:
+    """How many base-``base`` digits one byte holds: the largest ``d`` with ``base**d <= 256``."""
+    if not 2 <= base <= 256:
+        raise ValueError(f"base must be in [2, 256], got {base}")
+    d = 1
+    while base ** (d + 1) <= 256:
+        d += 1
+    return d
+
+
+def digits_nbytes(n: int, base: int) -> int:
+    return -(-n // digits_per_byte(base))
+
+
+@functools.lru_cache(maxsize=None)
+def _powers(base: int, device: torch.device) -> Tensor:
+    """``[1, base, base**2, ...]``, one a digit of a byte, as int32 on ``device``, made once."""
+    return torch.tensor([base**j for j in range(digits_per_byte(base))], dtype=torch.int32, device=device)
+
+
+def pack_digits(codes: Tensor, base: int) -> Tensor:
+    """Pack a 1-D tensor of integers in ``[0, base)`` :func:`digits_per_byte` to a byte, the
+    byte holding ``sum_j c_j * base**j`` (the first code in the lowest digit): ``digits_nbytes(n,
+    base)`` bytes.
+
+    A ternary code (TernGrad's ``{-1, 0, 1}``, QSGD's one level a sign) takes 5 to a byte, 1.6 bits
+    a value against 2 in a bit field (``log2(3) = 1.585`` is the least any code of the symbols
+    alone can take); five symbols take 3 to a byte, 2.67 bits against 3. Where ``base`` is a power
+    of two that divides 256 the bytes are :func:`pack_bits`'s."""
+    per = digits_per_byte(base)
+    n = codes.numel()
+    codes = codes.reshape(-1).to(torch.int32)
+    pad = (-n) % per
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad)])
+    return (codes.view(-1, per) * _powers(base, codes.device)).sum(1).to(torch.uint8)
+
+
+@functools.lru_cache(maxsize=None)
+def _digits_of_bytes(base: int, device: torch.device) -> Tensor:
+    """Row ``b``: the base-``base`` digits byte ``b`` holds, lowest first (int32, 256 rows), so
+    unpacking is one gather instead of a division and a remainder for every digit."""
+    byte = torch.arange(256, dtype=torch.int32, device=device).unsqueeze(1)
+    return (byte // _powers(base, device)) % base
+
+
+def unpack_digits(packed: Tensor, base: int, n: int) -> Tensor:
+    """Inverse of :func:`pack_digits`: the first ``n`` codes as int32."""
+    rows = _digits_of_bytes(base, packed.device).index_select(0, packed.reshape(-1).long())
+    return rows.reshape(-1)[:n]

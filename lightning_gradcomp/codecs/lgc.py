@@ -12,9 +12,9 @@ in three stages, switched on the same global optimizer step on every rank:
    from step 2 instead (torch's hook through :class:`~lightning_gradcomp.codecs.powersgd.PowerSGDCodec`,
    rank ``warmup_rank``, four times that at compression level 0); at its last step each rank's
    PowerSGD error memory is kept per layer and sent with the first step of stage 2. With
-   ``warmup_codec="terngrad"`` stage 1 sends every layer from step 2 as TernGrad's 2-bit
+   ``warmup_codec="terngrad"`` stage 1 sends every layer from step 2 as TernGrad's ternary
    stochastic codes (:class:`~lightning_gradcomp.codecs.terngrad.TernGradCodec`, all-gathered),
-   16 times fewer bytes than fp32; they are unbiased, so no residual is kept. Both are
+   five to a byte, 20 times fewer bytes than fp32; they are unbiased, so no residual is kept. Both are
    :class:`~lightning_gradcomp.codecs.lgc_warmup.StageOneCodecs`' (``lgc_warmup.py``).
 2. the next ``ae_train_steps`` steps: top-k on a *shared support* with error
    feedback. Every step a leader (rank ``step % N``) picks each layer's top-k positions ``S``
@@ -356,8 +356,9 @@ class LGCCodec(LearnedCode, UnionSupport, StageOneCodecs, AdjustableLevel, Multi
             ``"powersgd"`` (PowerSGD's rank-``warmup_rank`` factors with its own error feedback,
             the rank four times higher at compression level 0; what it held back at the end of
             stage 1 travels with stage 2's first step; not with ``momentum`` or ``precondition``)
-            or ``"terngrad"`` (every layer as TernGrad's scale and 2-bit stochastic codes,
-            all-gathered, with no residual: 16 times fewer bytes than the dense stage 1).
+            or ``"terngrad"`` (every layer as TernGrad's scale and ternary stochastic codes,
+            five to a byte, all-gathered, with no residual: 20 times fewer bytes than the dense
+            stage 1).
         warmup_rank: PowerSGD's rank in stage 1 at compression level 1 (default 4).
         seed: seeds the AE initialization, its training and the sampling.
         **kwargs: the common codec options (``error_feedback`` on by default, ``min_numel``;

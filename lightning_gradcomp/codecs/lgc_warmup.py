@@ -5,7 +5,7 @@ With ``warmup_codec="powersgd"`` each bucket of stage 1 goes through torch's Pow
 :class:`~lightning_gradcomp.codecs.powersgd.PowerSGDCodec`, rank ``warmup_rank``, following the
 compression level); at the last step of stage 1 each rank's PowerSGD error memory is cut into its
 layers (the *hand-off*) and added to the first step of stage 2, so nothing PowerSGD held back is
-lost. With ``warmup_codec="terngrad"`` each layer of stage 1 travels as TernGrad's scale and 2-bit
+lost. With ``warmup_codec="terngrad"`` each layer of stage 1 travels as TernGrad's scale and ternary
 codes (:class:`~lightning_gradcomp.codecs.terngrad.TernGradCodec`), unbiased, without a residual.
 
 :class:`StageOneCodecs` is a base of :class:`~lightning_gradcomp.codecs.lgc.LGCCodec`: it reads the
@@ -128,7 +128,7 @@ class StageOneCodecs:
                 self._hand_off(index, spans[index])
 
     def _encode_ternary(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
-        """Stage 1 with ``warmup_codec="terngrad"``: the layer as TernGrad's scale and 2-bit codes.
+        """Stage 1 with ``warmup_codec="terngrad"``: the layer as TernGrad's scale and ternary codes.
         Its rounding is unbiased, so the residual keeps nothing (as the ``terngrad`` baseline,
         which runs without error feedback): feeding back a zero-mean error of the gradient's own
         size would add its variance to later steps. ``sent`` is what the codes decode to, so

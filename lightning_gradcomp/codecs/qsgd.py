@@ -1,10 +1,11 @@
 """``qsgd``: stochastic uniform quantization onto ``levels`` levels per sign (Alistarh et al., 2017).
 
 Each chunk of ``chunk_size`` entries is sent as its L2 norm (fp32) and, per entry, a sign and a
-level ``l`` in ``[0, s]`` drawn so that ``E[norm * sign * l / s] = x`` (unbiased). The signed level
-is stored in ``ceil(log2(2s + 1))`` bits: 4 bits for ``s <= 7``, 8 bits for ``s <= 127``. We do not
-apply QSGD's Elias coding of the levels; the bit count is fixed so every rank's message has the
-same size.
+level ``l`` in ``[0, s]`` drawn so that ``E[norm * sign * l / s] = x`` (unbiased). The signed
+levels, ``2s + 1`` symbols, travel as base-``(2s + 1)`` digits, as many to a byte as fit
+(:func:`~lightning_gradcomp.codecs.bits.pack_digits`): 1.6 bits a value for ``s = 1``, 2.67 for
+``s = 2``, 4 for ``s <= 7``, 8 for ``s <= 127``. We do not apply QSGD's Elias coding of the levels;
+the size is fixed so every rank's message has the same size.
 
 Collective: all-gather. Every rank scales by its own norms, so payloads cannot be summed without
 decoding; a QSGD inside a ring all-reduce would have to re-quantize at every hop, which changes
@@ -13,13 +14,12 @@ run draws the same numbers as an uninterrupted one.
 
 The number of levels is adjustable (:class:`~lightning_gradcomp.codecs.base.AdjustableLevel`): at
 level ``L`` it is ``round(127^(1-L) * levels^L)``, so level 1 is the configured ``levels`` and level
-0 is 127 levels, the most 8-bit codes hold. The bytes follow the bit width: 4 bits up to 7 levels,
-8 bits above.
+0 is 127 levels, the most 8-bit codes hold. The bytes follow the levels: 4 bits a value up to 7
+levels, 8 above.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ from lightning_gradcomp.codecs.base import (
     check_seed,
     geometric_level,
 )
-from lightning_gradcomp.codecs.bits import pack_bits, unpack_bits
+from lightning_gradcomp.codecs.bits import digits_per_byte, pack_digits, unpack_digits
 from lightning_gradcomp.codecs.sampling import seeded_generator
 from lightning_gradcomp.registry import register_codec
 
@@ -77,9 +77,10 @@ class QSGDCodec(AdjustableLevel, Codec):
         return round(geometric_level(max(LIGHT_LEVELS, configured), configured, self.compression_level))
 
     @property
-    def bits(self) -> int:
-        """Bits of one signed level on the wire: 4 for ``levels <= 7``, else 8."""
-        return 4 if math.ceil(math.log2(2 * self.levels + 1)) <= 4 else 8
+    def bits(self) -> float:
+        """Bits of one signed level on the wire: 8 over the base-``(2s + 1)`` digits a byte holds
+        (1.6 for ``levels=1``, 8 / 3 for 2, 4 up to 7, else 8)."""
+        return 8 / digits_per_byte(2 * self.levels + 1)
 
     def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
         n, c = x.numel(), self.options.chunk_size
@@ -94,7 +95,7 @@ class QSGDCodec(AdjustableLevel, Codec):
         lower = scaled.floor()
         level = lower + (torch.rand(scaled.shape, generator=gen, device=x.device) < (scaled - lower)).float()
         signed = (torch.sign(xc) * level).reshape(-1)[:n].to(torch.int32)
-        codes = pack_bits(signed + self.levels, self.bits)
+        codes = pack_digits(signed + self.levels, 2 * self.levels + 1)
         enc = EncodeResult([norms, codes], ctx=None)
         enc.local = self._dequantize(norms, signed, n)
         return enc
@@ -107,5 +108,5 @@ class QSGDCodec(AdjustableLevel, Codec):
 
     def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
         norms, codes = payload
-        signed = unpack_bits(codes, self.bits, numel) - self.levels
+        signed = unpack_digits(codes, 2 * self.levels + 1, numel) - self.levels
         return self._dequantize(norms.float(), signed, numel)
