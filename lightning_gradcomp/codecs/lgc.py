@@ -24,10 +24,12 @@ in three stages, switched on the same global optimizer step on every rank:
    broadcast (identical on every rank, checked by a hash), compresses ``v_i``. The levels are
    fitted again every ``refit_every`` steps on rank 0's own messages; the autoencoder stays frozen.
    The learned code, its training data, its fits and its checkpoint are
-   :class:`~lightning_gradcomp.codecs.lgc_learning.LearnedCode`'s (``lgc_learning.py``); the union
-   support's round and messages are :class:`~lightning_gradcomp.codecs.lgc_union.UnionSupport`'s
-   (``lgc_union.py``), and how its ranks tell one another the positions they name is
-   ``lgc_names.py``'s. This file holds the leader's support, its messages, the stages and the
+   :class:`~lightning_gradcomp.codecs.lgc_learning.LearnedCode`'s (``lgc_learning.py``); the
+   leader's round and its message are :class:`~lightning_gradcomp.codecs.lgc_leader.LeaderSupport`'s
+   (``lgc_leader.py``), the union support's round and messages
+   :class:`~lightning_gradcomp.codecs.lgc_union.UnionSupport`'s (``lgc_union.py``), and how its
+   ranks tell one another the positions they name is ``lgc_names.py``'s. This file holds the
+   options, the stages, the run-time guard, the encoding and sums of each layer and the
    collectives.
 
 The learned code (``code``):
@@ -103,15 +105,12 @@ from lightning_gradcomp.codecs.base import (
 )
 from lightning_gradcomp.codecs.lgc_autoencoder import MIN_AE_LEN, GradientAutoencoder
 from lightning_gradcomp.codecs.lgc_layers import TERNARY, LayerContext, LayerPrepared, TernaryLayer
+from lightning_gradcomp.codecs.lgc_leader import LeaderSupport
 from lightning_gradcomp.codecs.lgc_learning import LearnedCode
 from lightning_gradcomp.codecs.lgc_union import UnionSupport
 from lightning_gradcomp.codecs.lgc_warmup import StageOneCodecs
 from lightning_gradcomp.codecs.positions import (
     channel_counts,
-    choose_encoding,
-    decode_positions,
-    encode_positions,
-    encoded_nbytes,
     output_channels,
 )
 from lightning_gradcomp.codecs.sampling import DensityWarmup, check_density_warmup, keep_count, select_top
@@ -221,7 +220,7 @@ class LGCOptions(CodecOptions):
 
 
 @register_codec("lgc")
-class LGCCodec(LearnedCode, UnionSupport, StageOneCodecs, AdjustableLevel, MultiRound, Codec):
+class LGCCodec(LearnedCode, LeaderSupport, UnionSupport, StageOneCodecs, AdjustableLevel, MultiRound, Codec):
     """Learned Gradient Compression with a shared support (see the module docstring).
 
     Args:
@@ -539,7 +538,8 @@ class LGCCodec(LearnedCode, UnionSupport, StageOneCodecs, AdjustableLevel, Multi
         return min(self.k_for(numel), keep_count(self.options.innovation_ratio, numel))
 
     # ----------------------------------------------------------------------------------------------
-    # the shared support: chosen by the leader, broadcast in the hook body
+    # the shared support, named in the hook body: by the leader (lgc_leader.py) or by every rank
+    # (lgc_union.py), each through _select
     def _select(self, x: Tensor, k: int, step: int) -> Tensor:
         # exact top-k; "sampled" finds it through a threshold estimated from a 1% sample (DGC-style).
         # On CUDA select_top runs torch.topk and draws nothing, so no generator is made there.
@@ -549,8 +549,9 @@ class LGCCodec(LearnedCode, UnionSupport, StageOneCodecs, AdjustableLevel, Multi
         return select_top(x.abs(), k, 0.01 if self.options.selection == "sampled" else 0.0, g)
 
     def prepare_bucket(self, layers: list[tuple[str, Tensor, Tensor]], rc: RoundContext) -> Prepared:
-        """The leader's support (and, in stage 3, its scales, flags and latents), broadcast once
-        for the bucket; each layer's :class:`LayerPrepared` is what ``encode`` gets as ``prepared``."""
+        """The bucket's support, named once for the bucket (the leader's, or with
+        ``support="union"`` every rank's); each layer's :class:`LayerPrepared` is what ``encode``
+        gets as ``prepared``. Stage 1 through TernGrad has no round of its own."""
         t0 = time.perf_counter()
         step = rc.step
         stage = self.stage(step)
@@ -562,98 +563,7 @@ class LGCCodec(LearnedCode, UnionSupport, StageOneCodecs, AdjustableLevel, Multi
         self._take_handoff(layers)
         if self.options.support == "union" and stage >= 2:
             return self._prepare_union(layers, step, stage, t0)
-        leader = step % self.world_size  # a rank of the codec's group
-        is_leader = self.rank == leader
-        device = layers[0][1].device
-        numels = [x.numel() for _, x, _ in layers]
-        sizes = [self.k_for(n, step) for n in numels]
-        encodings = [choose_encoding("auto", k, n) for k, n in zip(sizes, numels)]
-        code_bytes = [encoded_nbytes(e, k, n) for e, k, n in zip(encodings, sizes, numels)]
-        use_ae = [
-            stage == 3 and k >= MIN_AE_LEN and key in self._ae_layers and self._codes_support(k, n)
-            for (key, _, _), k, n in zip(layers, sizes, numels)
-        ]
-        ae, ps = self.uses_autoencoder, self.uses_autoencoder and self.options.variant == "ps"
-        lat = [
-            self.ae.latent_channels * GradientAutoencoder.latent_len(k) if a and ps else 0
-            for k, a in zip(sizes, use_ae)
-        ]
-        pers = [self._channel_size(p, k, n) for (_, _, p), k, n in zip(layers, sizes, numels)]
-        n_flags = sum(use_ae)
-        n_scales = n_flags if ae else 0
-        n_lat = sum(lat)
-        # one byte message: for each layer that may use the learned code its scale (the AE's
-        # only) and its flag (1: the code carries it this step, 0: exact values), the leader's
-        # latents (all fp32, first, so that their views stay aligned), then every layer's support
-        # as a position code; all sizes follow from k and n, so no header travels
-        nbytes = sum(code_bytes) + 4 * (n_scales + n_flags + n_lat)
-        msg = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        supports: list[Tensor | None] = [None] * len(layers)
-        own_codes: list[tuple[Any, Tensor] | None] = [None] * len(layers)  # the leader's codes, reused by encode
-        if is_leader:
-            parts, scales, flags, zs = [], [], [], []
-            for i, ((key, x, _), k, a, e, n) in enumerate(zip(layers, sizes, use_ae, encodings, numels)):
-                idx = self._select(x, k, step)
-                supports[i] = idx
-                parts.append(encode_positions(idx, n, e))
-                if a and not ae:
-                    # the run-time guard: the leader's own values through the code, this step
-                    v, table, per = x[idx], self._levels_for(key, k, n, levels.LEADER), pers[i]
-                    own_codes[i] = (
-                        levels.encode_by_channel(v, table, idx // per, n // per) if per else levels.encode(v, table)
-                    )
-                    flags.append(self._within_gate(v, own_codes[i][1]))
-                elif a:
-                    v = x[idx]
-                    s = v.pow(2).mean().sqrt() + 1e-30
-                    scales.append(s)
-                    # the run-time guard: the leader's own values through the AE, this step
-                    with torch.no_grad():
-                        if self.options.variant == "rar":
-                            own_codes[i] = self._rar_code(v, s)  # encode() reuses it
-                            rec = own_codes[i][1]
-                        else:
-                            z = self.ae.encode((v / s).unsqueeze(0))
-                            zs.append(z.reshape(-1))
-                            rec = s * self.ae.decode(z, k, self._innovation(v / s, n)[1].unsqueeze(0))[0]
-                    flags.append(self._within_gate(v, rec))
-            head = [torch.stack(scales).to(torch.float32).view(torch.uint8)] if scales else []
-            head += [torch.stack(flags).to(torch.float32).view(torch.uint8)] if flags else []
-            head += [z.to(torch.float32).view(torch.uint8) for z in zs]
-            parts = head + parts
-            if parts:
-                torch.cat(parts, out=msg)
-        if nbytes:  # a no-op on one rank
-            self.context.broadcast(msg, leader)
-        scale_values = msg[: 4 * n_scales].view(torch.float32)
-        # the one host read of this bucket in stage 3: which layers travel as codes decides the
-        # payload's shape (every rank reads the same flags)
-        flag_bytes = msg[4 * n_scales : 4 * (n_scales + n_flags)]
-        flag_values = flag_bytes.view(torch.float32).tolist() if n_flags else []
-        latents = msg[4 * (n_scales + n_flags) : 4 * (n_scales + n_flags + n_lat)].view(torch.float32)
-        off_b, off_f, off_z = 4 * (n_scales + n_flags + n_lat), 0, 0
-        shared: dict[str, LayerPrepared] = {}
-        for i, ((key, _, _), k, a, nl, e, b, n) in enumerate(
-            zip(layers, sizes, use_ae, lat, encodings, code_bytes, numels)
-        ):
-            idx = supports[i]
-            if idx is None:
-                idx = decode_positions(msg[off_b : off_b + b], k, n, e)
-            off_b += b
-            s, z, coded = 1.0, None, False
-            if a:
-                if ae:
-                    s = scale_values[off_f : off_f + 1].clone()  # a tensor: no host sync per layer
-                coded = flag_values[off_f] > 0.5
-                off_f += 1
-                if ps:
-                    z = latents[off_z : off_z + nl].view(1, self.ae.latent_channels, -1) if coded else None
-                    off_z += nl
-            code_nbytes = self._code_nbytes(key, k, n, pers[i]) if coded else 0
-            self._count_layer(step, stage, k, n, k, a, coded, code_nbytes)
-            shared[key] = LayerPrepared(idx, s, z, coded, own_codes[i], per=pers[i])
-        self.last_timing["prepare_s"] = time.perf_counter() - t0
-        return Prepared(nbytes, shared)
+        return self._prepare_leader(layers, step, stage, t0)
 
     def _count_layer(
         self, step: int, stage: int, k: int, numel: int, values: int, eligible: bool, coded: bool, code_nbytes: int

@@ -11,8 +11,8 @@ carries a layer only where every rank's run-time guard passes.
 :class:`~lightning_gradcomp.codecs.lgc_learning.LearnedCode` is: it reads the codec's ``options``,
 ``rank``, ``world_size``, ``context`` (its ``all_gather``), ``last_timing``, ``k_for``,
 ``_select``, ``_channel_size``, ``_within_gate``, ``_count_layer`` and ``_exact``, and the learned
-code's ``_ae_layers``, ``_codes_support``, ``_levels_for`` and refit samples. The leader's support,
-the stages and the codec's collectives stay in ``lgc.py``.
+code's ``_ae_layers``, ``_codes_support``, ``_levels_for`` and refit samples. The leader's support
+is ``lgc_leader.py``'s; the stages and the codec's collectives stay in ``lgc.py``.
 """
 
 from __future__ import annotations
