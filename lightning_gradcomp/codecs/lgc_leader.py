@@ -11,8 +11,8 @@ latents. Every size follows from ``k`` and the layer's length, so no header trav
 :class:`~lightning_gradcomp.codecs.lgc_union.UnionSupport` is: it reads the codec's ``options``,
 ``rank``, ``world_size``, ``context`` (its ``broadcast``), ``ae``, ``last_timing``, ``k_for``,
 ``uses_autoencoder``, ``_select``, ``_channel_size``, ``_within_gate``, ``_rar_code``,
-``_innovation``, ``_code_nbytes`` and ``_count_layer``, and the learned code's ``_ae_layers``,
-``_codes_support`` and ``_levels_for``. The stages, the guard and the codec's collectives stay in
+``_innovation``, ``_code_nbytes`` and ``_count_layer``, and the learned code's
+``_code_may_carry`` and ``_levels_for``. The stages, the guard and the codec's collectives stay in
 ``lgc.py``.
 """
 
@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lightning_gradcomp.codecs import levels
 from lightning_gradcomp.codecs.base import Prepared
-from lightning_gradcomp.codecs.lgc_autoencoder import MIN_AE_LEN, GradientAutoencoder
+from lightning_gradcomp.codecs.lgc_autoencoder import GradientAutoencoder
 from lightning_gradcomp.codecs.lgc_layers import LayerPrepared
 from lightning_gradcomp.codecs.positions import choose_encoding, decode_positions, encode_positions, encoded_nbytes
 
@@ -47,10 +47,7 @@ class LeaderSupport:
         sizes = [self.k_for(n, step) for n in numels]
         encodings = [choose_encoding("auto", k, n) for k, n in zip(sizes, numels)]
         code_bytes = [encoded_nbytes(e, k, n) for e, k, n in zip(encodings, sizes, numels)]
-        use_ae = [
-            stage == 3 and k >= MIN_AE_LEN and key in self._ae_layers and self._codes_support(k, n)
-            for (key, _, _), k, n in zip(layers, sizes, numels)
-        ]
+        use_ae = [self._code_may_carry(stage, key, k, n) for (key, _, _), k, n in zip(layers, sizes, numels)]
         ae, ps = self.uses_autoencoder, self.uses_autoencoder and self.options.variant == "ps"
         lat = [
             self.ae.latent_channels * GradientAutoencoder.latent_len(k) if a and ps else 0

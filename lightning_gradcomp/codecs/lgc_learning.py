@@ -347,6 +347,13 @@ class LearnedCode(LocksNotPickled):
         ``code_denser``, else it travels exactly."""
         return self.options.code_denser or k <= keep_count(self.options.ratio, numel)
 
+    def _code_may_carry(self, stage: int, key: str, k: int, numel: int) -> bool:
+        """Whether the learned code may carry layer ``key`` (``k`` of ``numel`` values on its
+        support) this step, before the run-time guard: in stage 3, long enough for the code, passed
+        by the gate at the switch, and a support the code carries (:meth:`_codes_support`). Both
+        supports ask this (``lgc_leader.py``, ``lgc_union.py``)."""
+        return stage == 3 and k >= MIN_AE_LEN and key in self._ae_layers and self._codes_support(k, numel)
+
     def _role(self, step: int) -> int:
         """This rank's row of the levels at ``step``: the leader's, or the others'."""
         return levels.role(self.rank, step % self.world_size)

@@ -11,7 +11,7 @@ carries a layer only where every rank's run-time guard passes.
 :class:`~lightning_gradcomp.codecs.lgc_learning.LearnedCode` is: it reads the codec's ``options``,
 ``rank``, ``world_size``, ``context`` (its ``all_gather``), ``last_timing``, ``k_for``,
 ``_select``, ``_channel_size``, ``_within_gate``, ``_count_layer`` and ``_exact``, and the learned
-code's ``_ae_layers``, ``_codes_support``, ``_levels_for`` and refit samples. The leader's support
+code's ``_code_may_carry``, ``_levels_for`` and refit samples. The leader's support
 is ``lgc_leader.py``'s; the stages and the codec's collectives stay in ``lgc.py``.
 """
 
@@ -25,7 +25,6 @@ from torch import Tensor
 
 from lightning_gradcomp.codecs import levels
 from lightning_gradcomp.codecs.base import EncodeResult, Prepared
-from lightning_gradcomp.codecs.lgc_autoencoder import MIN_AE_LEN
 from lightning_gradcomp.codecs.lgc_layers import LayerContext, LayerPrepared
 from lightning_gradcomp.codecs.lgc_names import (
     first_names,
@@ -69,10 +68,7 @@ class UnionSupport:
         named_sizes = [named_count(k, world) for k in sizes]
         encodings = [choose_encoding("auto", m, n) for m, n in zip(named_sizes, numels)]
         code_bytes = [encoded_nbytes(e, m, n) for e, m, n in zip(encodings, named_sizes, numels)]
-        use_code = [
-            stage == 3 and k >= MIN_AE_LEN and key in self._ae_layers and self._codes_support(k, n)
-            for (key, _, _), k, n in zip(layers, sizes, numels)
-        ]
+        use_code = [self._code_may_carry(stage, key, k, n) for (key, _, _), k, n in zip(layers, sizes, numels)]
         # (channels, entries a channel) of the weights whose names travel per channel; None: one
         # code over the layer (a vector, a one-channel weight, a full layer, position_code="layer")
         gapped = self.options.position_code in ("rice", "kernel")
