@@ -116,6 +116,20 @@ def test_codec_options_are_part_of_the_config_digest():
     assert make_codec("topk").config_hash() != make_codec("qsgd").config_hash()
 
 
+def test_the_wire_format_is_part_of_the_config_digest(monkeypatch):
+    from lightning_gradcomp.registry import codec_class
+
+    # ranks whose versions lay TernGrad's codes out differently must not agree
+    before = make_codec("terngrad").config_hash()
+    before_auto = make_codec("auto", candidates=["none", "terngrad"]).config_hash()
+    monkeypatch.setattr(codec_class("terngrad"), "wire_format", 1)
+    assert make_codec("terngrad").wire_formats() == {"terngrad": 1}
+    assert make_codec("terngrad").config_hash() != before
+    # auto sends its arms' messages, so their layouts are part of its digest too
+    assert make_codec("auto", candidates=["none", "terngrad"]).wire_formats() == {"none": 1, "terngrad": 1, "auto": 1}
+    assert make_codec("auto", candidates=["none", "terngrad"]).config_hash() != before_auto
+
+
 @pytest.fixture
 def user_registry(monkeypatch):
     """Codecs a test registers are forgotten after it, so ``available_codecs()`` stays the built-ins."""

@@ -388,13 +388,19 @@ def _mismatch(rank: int, world: int) -> bytes:
         "option": ("topk", {"ratio": 0.01 if rank == 0 else 0.02}),
         "name": ("topk" if rank == 0 else "fp16", {}),
         "seed": ("qsgd", {"seed": rank}),
+        "wire format": ("terngrad", {}),  # rank 1 plays a version whose codes had another layout
         "same": ("topk", {"ratio": 0.01}),
     }.items():
+        terngrad, layout = codec_class("terngrad"), codec_class("terngrad").wire_format
+        if case == "wire format" and rank == 1:
+            terngrad.wire_format = layout - 1
         try:
             lightning_gradcomp.make_comm_hook(name, None, **opts)
             errors[case] = None
         except RuntimeError as err:
             errors[case] = str(err)
+        finally:
+            terngrad.wire_format = layout
         dist.barrier()
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     lightning = from_bytes(
@@ -407,7 +413,7 @@ def test_mismatched_settings_fail_on_every_rank(raw_results) -> None:
     results = [r["mismatch"] for r in raw_results]
     for rank, res in enumerate(results):
         assert res["raw"]["same"] is None
-        for case in ("option", "name", "seed"):
+        for case in ("option", "name", "seed", "wire format"):
             msg = res["raw"][case]
             assert msg and "different gradient-compression settings" in msg, (rank, case, msg)
         assert res["lightning"]["error"] == "RuntimeError", res["lightning"]

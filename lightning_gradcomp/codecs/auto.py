@@ -359,6 +359,9 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
         self._marks: list[list[Any]] = []
         self._step_arm: int | None = None  # the arm every bucket of an exploration step goes through
 
+    def wire_formats(self) -> dict[str, int]:
+        return {**{arm.name: arm.wire_format for arm in self.arms}, self.name: self.wire_format}
+
     def check_harness(self, harness: HarnessOptions) -> None:
         if harness.momentum:
             raise ValueError(

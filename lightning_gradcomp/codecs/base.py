@@ -245,6 +245,11 @@ class Codec:
     #: options that change only how a message is coded, not what it decodes to (a code of the
     #: positions, the harness's ``deflate``): a run resumed with another value trains as it would have
     lossless_options: ClassVar[frozenset[str]] = frozenset({"deflate"})
+    #: the layout of the codec's messages; raised whenever the same options start to send other
+    #: bytes (TernGrad's codes went from 2-bit fields to base-3 digits: 2). It is part of
+    #: :meth:`config_hash`, so ranks that run versions with different layouts refuse to start
+    #: instead of misreading each other's messages
+    wire_format: ClassVar[int] = 1
 
     def __init__(self, **options: Any) -> None:
         own = {f.name for f in dataclasses.fields(self.Options)}
@@ -327,9 +332,16 @@ class Codec:
         merged = {**dataclasses.asdict(self.harness), **dataclasses.asdict(self.options)}
         return {k: list(v) if isinstance(v, tuple) else v for k, v in merged.items()}
 
+    def wire_formats(self) -> dict[str, int]:
+        """The :attr:`wire_format` of every codec whose messages this one sends: its own
+        (``auto`` adds its arms')."""
+        return {self.name: self.wire_format}
+
     def config_hash(self) -> int:
-        """A 62-bit digest of the codec's name and options, identical on ranks that agree."""
-        return comm.digest(json.dumps({"codec": self.name, "options": self.config()}, sort_keys=True, default=str))
+        """A 62-bit digest of the codec's name, options and :meth:`wire_formats`, identical on
+        ranks that agree."""
+        described = {"codec": self.name, "options": self.config(), "wire_formats": self.wire_formats()}
+        return comm.digest(json.dumps(described, sort_keys=True, default=str))
 
     def replace_options(self, **changes: Any) -> None:
         """Change some of the codec's own options (checked again, and the harness against them),

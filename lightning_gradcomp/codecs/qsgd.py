@@ -69,6 +69,7 @@ class QSGDCodec(AdjustableLevel, Codec):
 
     collective = "allgather"
     Options = QSGDOptions
+    wire_format = 2  # base-(2s + 1) digits (1: bit fields of a power-of-two width)
 
     @property
     def levels(self) -> int:

@@ -48,6 +48,7 @@ class TernGradCodec(Codec):
 
     collective = "allgather"
     Options = TernGradOptions
+    wire_format = 2  # base-3 digits, five to a byte (1: 2-bit fields)
 
     def encode(self, x: Tensor, key: str, param: Tensor, step: int) -> EncodeResult:
         if self.options.clip > 0 and x.numel() > 1:

@@ -31,7 +31,8 @@ def make_context(process_group: dist.ProcessGroup | None, device: torch.device) 
 def check_codec_consistency(codec: Codec, process_group: dist.ProcessGroup | None = None) -> None:
     """Raise on every rank if the ranks were started with different codec settings.
 
-    A digest of the codec's name and options is all-gathered (8 bytes a rank) and compared.
+    A digest of the codec's name, options and message layouts (:meth:`Codec.config_hash`) is
+    all-gathered (8 bytes a rank) and compared.
     """
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(process_group) == 1:
         return
@@ -39,7 +40,8 @@ def check_codec_consistency(codec: Codec, process_group: dist.ProcessGroup | Non
         codec.config_hash(),
         "ranks were started with different gradient-compression settings "
         f"(this rank, {dist.get_rank(process_group)}, has {codec!r}); start every rank with the same codec "
-        "name and options",
+        "name and options, and the same version of lightning_gradcomp (the layout of a codec's messages is "
+        "part of the setting)",
         process_group,
         group_device(process_group),
         dist.get_world_size(process_group),
