@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import os
 import warnings
 from types import SimpleNamespace
@@ -192,11 +193,12 @@ class _Module:
 
 
 def _drive(
-    cb: AdaptiveCompression, norms: list[float], rates: list[float], codec=None, optimizers: int = 1
+    cb: AdaptiveCompression, norms: list[float], rates: list[float], codec=None, optimizers: int = 1, start: int = 0
 ) -> tuple[list[float], _Module]:
-    """Run ``cb`` over one step per entry, with that step's gradient norm and learning rate, in
-    one process (``optimizers`` calls of ``on_before_optimizer_step`` a step, as Lightning makes
-    for a module with that many); the level in use at each step, and the module it logged to."""
+    """Run ``cb`` over one step per entry, from step ``start``, with that step's gradient norm and
+    learning rate, in one process (``optimizers`` calls of ``on_before_optimizer_step`` a step, as
+    Lightning makes for a module with that many); the level in use at each step, and the module it
+    logged to."""
     codec = make_codec("topk", ratio=0.01) if codec is None else codec
     optimizer = SimpleNamespace(param_groups=[{"lr": rates[0]}])
     trainer = SimpleNamespace(
@@ -210,7 +212,7 @@ def _drive(
     cb.setup(trainer, module, "fit")
     cb.on_fit_start(trainer, module)
     levels = []
-    for step, (norm, rate) in enumerate(zip(norms, rates)):
+    for step, (norm, rate) in enumerate(zip(norms, rates), start):
         trainer.global_step = step
         optimizer.param_groups[0]["lr"] = rate
         cb.on_train_batch_start(trainer, module, None, step)
@@ -240,6 +242,39 @@ def test_the_rule_goes_light_on_a_fast_change_of_the_norm_and_after_a_learning_r
     twin.load_state_dict(cb.state_dict())
     scalars = [{k: v for k, v in c.state_dict().items() if k != "window_sum"} for c in (twin, cb)]
     assert scalars[0] == scalars[1]
+
+
+def test_a_resumed_controller_decides_with_the_rule_its_run_started_with(caplog):
+    # a cosine-like decay whose steps never halve the rate but whose sixth step is half the peak:
+    # the peak rule goes light there, the previous-step rule does not
+    rates = [0.1, 0.09, 0.08, 0.07, 0.06, 0.05, 0.045, 0.04, 0.035, 0.03]
+    started = AdaptiveCompression(interval=2, warmup=2, lr_reference="peak", low_level=0.25)
+    levels, _ = _drive(started, [1.0] * 4, rates[:4])
+    state = started.state_dict()
+    assert state["rule"] == {"low_level": 0.25, "lr_drop": 0.5, "lr_reference": "peak"}
+    # resumed where a later version's defaults say "previous": the checkpoint's rule wins, told
+    resumed = AdaptiveCompression(interval=2, warmup=2)
+    with caplog.at_level(logging.INFO):
+        resumed.load_state_dict(state)
+    assert "goes on with them" in caplog.text
+    assert (resumed.low_level, resumed.lr_drop, resumed.lr_reference) == (0.25, 0.5, "peak")
+    # a checkpoint of an earlier version (no rule recorded) keeps the arguments given, silently
+    caplog.clear()
+    earlier = {k: v for k, v in state.items() if k != "rule"}
+    given = AdaptiveCompression(interval=2, warmup=2)
+    with caplog.at_level(logging.INFO):
+        given.load_state_dict(earlier)
+        AdaptiveCompression(interval=2, warmup=2, lr_reference="peak", low_level=0.25).load_state_dict(state)
+    assert "goes on with them" not in caplog.text
+    assert (given.low_level, given.lr_reference) == (0.0, "previous")
+    # and so it decides the rest of the run as the uninterrupted one does: the rate at half its
+    # peak at step 5 makes steps 6-7 light, which the previous-step rule would have left heavy
+    whole, _ = _drive(AdaptiveCompression(interval=2, warmup=2, lr_reference="peak", low_level=0.25), [1.0] * 10, rates)
+    assert whole == [0.25] * 4 + [1.0] * 2 + [0.25] * 2 + [1.0] * 2, whole
+    rest, _ = _drive(resumed, [1.0] * 6, rates[4:], start=4)
+    assert levels + rest == whole
+    rest_given, _ = _drive(given, [1.0] * 6, rates[4:], start=4)
+    assert levels + rest_given != whole  # the test can tell the two rules apart
 
 
 def test_the_rule_at_its_boundaries_a_change_of_exactly_eta_and_a_rate_of_exactly_lr_drop():

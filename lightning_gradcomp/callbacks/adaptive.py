@@ -39,6 +39,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_gradcomp.codecs.base import AdjustableCompression, check_run_steps, run_steps
@@ -323,7 +324,14 @@ class AdaptiveCompression(Callback):
             "seen_step": self._seen_step,
             "steps_at_level": [[level, n] for level, n in sorted(self.steps_at_level.items())],
             "decisions": list(self.decisions),
+            "rule": self._rule(),
         }
+
+    def _rule(self) -> dict[str, Any]:
+        """The arguments of the rule that the state key does not name: a resumed run decides with
+        the ones it started with (as ``EarlyStopping`` restores its ``patience``), so a default
+        that changes between versions does not change a run halfway."""
+        return {"low_level": self.low_level, "lr_drop": self.lr_drop, "lr_reference": self.lr_reference}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -340,6 +348,17 @@ class AdaptiveCompression(Callback):
         self._seen_step = int(state_dict["seen_step"])
         self.steps_at_level = {float(level): int(n) for level, n in state_dict["steps_at_level"]}
         self.decisions = list(state_dict["decisions"])
+        rule = state_dict.get("rule")  # absent from checkpoints of earlier versions: the arguments given
+        if rule is not None and rule != self._rule():
+            # information, not a warning: the strategy's default controller takes its arguments
+            # beside Adam only after this (the checkpoint recorded them as the run had them)
+            rank_zero_info(
+                f"AdaptiveCompression: the checkpoint's run decided with {rule}; it goes on with them, not with "
+                f"the arguments given now ({self._rule()})"
+            )
+            self.low_level = float(rule["low_level"])
+            self.lr_drop = float(rule["lr_drop"])
+            self.lr_reference = str(rule["lr_reference"])
 
 
 def _resolve_steps(name: str, value: int | float, total: int | None) -> int:
