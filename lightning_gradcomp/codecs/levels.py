@@ -42,6 +42,7 @@ __all__ = [
     "decode_by_channel",
     "dequantize",
     "encode",
+    "encode_at",
     "encode_by_channel",
     "fit_layers",
     "fit_levels",
@@ -223,6 +224,15 @@ def encode_by_channel(values: Tensor, levels: Tensor, channels: Tensor, count: i
     per_value = scales.float().index_select(0, channels)  # gathered once: to divide and to decode
     message, decoded = encode(values / per_value, levels)
     return [scales, *message], decoded * per_value
+
+
+def encode_at(values: Tensor, levels: Tensor, positions: Tensor, numel: int, per: int) -> tuple[list[Tensor], Tensor]:
+    """The message of a layer's ``values`` at ``positions`` (of its ``numel`` entries):
+    :func:`encode_by_channel` when the layer's messages scale by channel of ``per`` entries, else
+    (``per`` 0) :func:`encode`, one scale a message."""
+    if per:
+        return encode_by_channel(values, levels, positions // per, numel // per)
+    return encode(values, levels)
 
 
 def decode_by_channel(message: list[Tensor], levels: Tensor, channels: Tensor) -> Tensor:

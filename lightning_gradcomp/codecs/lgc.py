@@ -654,9 +654,7 @@ class LGCCodec(LearnedCode, LeaderSupport, UnionSupport, StageOneCodecs, Adjusta
                 message, rec = own_code
             else:
                 table = self._levels_for(key, k, x.numel(), self._role(step))
-                message, rec = (
-                    levels.encode_by_channel(v, table, idx // per, x.numel() // per) if per else levels.encode(v, table)
-                )
+                message, rec = levels.encode_at(v, table, idx, x.numel(), per)
             local[idx] = rec
             return EncodeResult(message, local=local, ctx=ctx)
         with torch.no_grad():

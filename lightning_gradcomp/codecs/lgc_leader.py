@@ -74,9 +74,7 @@ class LeaderSupport:
                 if a and not ae:
                     # the run-time guard: the leader's own values through the code, this step
                     v, table, per = x[idx], self._levels_for(key, k, n, levels.LEADER), pers[i]
-                    own_codes[i] = (
-                        levels.encode_by_channel(v, table, idx // per, n // per) if per else levels.encode(v, table)
-                    )
+                    own_codes[i] = levels.encode_at(v, table, idx, n, per)
                     flags.append(self._within_gate(v, own_codes[i][1]))
                 elif a:
                     v = x[idx]

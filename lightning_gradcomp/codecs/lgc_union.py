@@ -92,9 +92,7 @@ class UnionSupport:
             mine.append(idx)
             if a:
                 v, table = x[idx], self._levels_for(key, k, n, levels.LEADER)
-                own_codes[i] = (
-                    levels.encode_by_channel(v, table, idx // per, n // per) if per else levels.encode(v, table)
-                )
+                own_codes[i] = levels.encode_at(v, table, idx, n, per)
                 flags.append(self._within_gate(v, own_codes[i][1]))
         # the first message a rank: its guard flags (fp32), then its names' part
         parts = [torch.stack(flags).to(torch.float32).view(torch.uint8)] if flags else []
@@ -174,11 +172,7 @@ class UnionSupport:
         decoded = torch.empty_like(v).index_copy_(0, own, rec)
         if rest.numel():  # else every rank named the same positions: nothing else to send
             values, table = v.index_select(0, rest), self._levels_for(key, k, x.numel(), levels.OTHERS)
-            other_message, other_rec = (
-                levels.encode_by_channel(values, table, idx.index_select(0, rest) // per, x.numel() // per)
-                if per
-                else levels.encode(values, table)
-            )
+            other_message, other_rec = levels.encode_at(values, table, idx.index_select(0, rest), x.numel(), per)
             decoded.index_copy_(0, rest, other_rec)
             message = message + other_message
         local[idx] = decoded
