@@ -122,9 +122,14 @@ def test_the_wire_format_is_part_of_the_config_digest(monkeypatch):
     # ranks whose versions lay TernGrad's codes out differently must not agree
     before = make_codec("terngrad").config_hash()
     before_auto = make_codec("auto", candidates=["none", "terngrad"]).config_hash()
+    before_lgc = make_codec("lgc", warmup_codec="terngrad").config_hash()
     monkeypatch.setattr(codec_class("terngrad"), "wire_format", 1)
     assert make_codec("terngrad").wire_formats() == {"terngrad": 1}
     assert make_codec("terngrad").config_hash() != before
+    # lgc sends TernGrad's messages in stage 1 with warmup_codec="terngrad", and only then
+    assert make_codec("lgc", warmup_codec="terngrad").wire_formats() == {"lgc": 1, "terngrad": 1}
+    assert make_codec("lgc").wire_formats() == {"lgc": 1}
+    assert make_codec("lgc", warmup_codec="terngrad").config_hash() != before_lgc
     # auto sends its arms' messages, so their layouts are part of its digest too
     assert make_codec("auto", candidates=["none", "terngrad"]).wire_formats() == {"none": 1, "terngrad": 1, "auto": 1}
     assert make_codec("auto", candidates=["none", "terngrad"]).config_hash() != before_auto

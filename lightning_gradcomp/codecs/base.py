@@ -334,7 +334,7 @@ class Codec:
 
     def wire_formats(self) -> dict[str, int]:
         """The :attr:`wire_format` of every codec whose messages this one sends: its own
-        (``auto`` adds its arms')."""
+        (``auto`` adds its arms', ``lgc`` its stage-1 codec's)."""
         return {self.name: self.wire_format}
 
     def config_hash(self) -> int:

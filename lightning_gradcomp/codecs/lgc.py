@@ -420,7 +420,6 @@ class LGCCodec(LearnedCode, LeaderSupport, UnionSupport, StageOneCodecs, Adjusta
     }
     adaptive_optimizer_controller = {"lr_reference": "peak"}
     lossless_options = Codec.lossless_options | {"position_code"}
-    wire_format = 2  # stage 1 with warmup_codec="terngrad" sends base-3 digits (TernGradCodec's 2)
 
     def optimizer_defaults(self) -> dict[str, Any]:
         """The union support and the scale a channel are for the 2-bit levels: beside the

@@ -79,6 +79,15 @@ class StageOneCodecs:
         deviations), its rounding seeded by ``seed``."""
         return TernGradCodec(seed=self.options.seed) if self.options.warmup_codec == "terngrad" else None
 
+    def wire_formats(self) -> dict[str, int]:
+        """``lgc``'s own layout and its stage-1 codec's (TernGrad's or PowerSGD's), whose messages
+        it sends in stage 1."""
+        formats = super().wire_formats()  # type: ignore[misc]
+        for codec in (self._warmup_codec, self._ternary):
+            if codec is not None:
+                formats.update(codec.wire_formats())
+        return formats
+
     @property
     def bucket_keyed_state(self) -> bool:  # type: ignore[override]
         # PowerSGD keys its factors and error by DDP bucket index (see MultiRound)
