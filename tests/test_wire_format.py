@@ -1,0 +1,72 @@
+"""The bytes a codec sends are pinned to its ``wire_format``.
+
+Ranks compare ``config_hash`` at setup, and it digests each codec's ``wire_format``: ranks whose
+package versions lay a message out differently refuse to start together, instead of decoding
+each other's payloads wrongly. That holds only if a change of layout raises the number. Here the
+payload of one fixed layer is digested for every codec whose arithmetic on it is exact (powers of
+two, integer and bit operations, seeded draws), so the digest is the same on every machine: a
+change of the bytes, even at the same size (another order of the digits), fails until the codec's
+``wire_format`` is raised and the new digest recorded beside it. The codecs built on floating-point
+transforms (``fft``, ``gradiveq``, ``powersgd``, ``lgc``'s fitted levels) round differently from
+one machine's kernels to another's, so their bytes cannot be pinned this way; their sizes are
+tested with each codec.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from codec_driver import round_trip, set_up
+
+from lightning_gradcomp import make_codec
+from lightning_gradcomp.registry import codec_class
+
+#: codec, its options here, and (its wire_format, the first 16 hex digits of its payload's sha256)
+PINNED = {
+    "fp16": ({}, (1, "77469d81917c5eb3")),
+    "topk": ({"ratio": 0.05}, (1, "5cbb8e58aae9e52c")),
+    "randk": ({"ratio": 0.05}, (1, "fd9c8901934f05c4")),
+    "terngrad": ({}, (2, "14f677b87802a8a1")),
+    "qsgd": ({}, (2, "9265103d51807955")),
+    "iwp": ({"keep_fraction": 0.05}, (1, "a69016d8e9036da1")),
+    "rangefloat": ({}, (1, "2aef6ec6a05ff0e2")),
+}
+
+
+def one_layer() -> tuple[torch.Tensor, torch.Tensor]:
+    """A 8x4x3x3 convolution's gradient and weight on which every operation of these codecs is
+    exact: distinct magnitudes k/16 (k = 1..288, so no ranking has ties and every sum of squares
+    is exact in float32), random signs, and a weight of 0.5 everywhere."""
+    g = torch.Generator().manual_seed(0)
+    magnitudes = torch.arange(1, 289, dtype=torch.float32)[torch.randperm(288, generator=g)] / 16
+    signs = torch.randint(0, 2, (288,), generator=g).float() * 2 - 1
+    return magnitudes * signs, torch.full((8, 4, 3, 3), 0.5)
+
+
+def payload_digest(name: str, options: dict) -> str:
+    codec = set_up(make_codec(name, **options))
+    step = 2
+    while not codec.is_compressing(step):
+        step += 1
+        assert step < 100, f"{name} never compressed"
+    grad, weight = one_layer()
+    encoded, _ = round_trip(codec, grad, "conv.weight", weight, step)
+    assert encoded is not None
+    digest = hashlib.sha256()
+    for part in encoded.payload:
+        digest.update(f"{part.dtype} {tuple(part.shape)}".encode())
+        digest.update(part.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_a_codecs_message_bytes_change_only_with_its_wire_format(name):
+    options, pinned = PINNED[name]
+    measured = (codec_class(name).wire_format, payload_digest(name, options))
+    assert measured == pinned, (
+        f"codec {name!r} sends other bytes than the version that recorded {pinned}: now {measured}. If its "
+        "layout changed, raise its wire_format (ranks of the two versions would misread each other's "
+        "messages) and record the new pair here; if only wire_format was raised, record it here"
+    )
