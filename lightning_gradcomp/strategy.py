@@ -106,8 +106,9 @@ class CompressedDDPStrategy(DDPStrategy):
             off; ``True``: on with the callback's defaults; a dict: the callback's arguments
             (``{"eta": 0.5, "interval": 50}``); ``None`` (default): on for ``codec="lgc"``,
             ``codec="gradiveq"`` and ``codec="iwp"`` (measured to train clearly better with it,
-            docs/benchmarks.md; ``gradiveq`` with ``lr_reference="peak"``, its measured rule, and
-            ``lgc`` and ``iwp`` so beside an Adam-like optimizer, where ``gradiveq`` holds its
+            docs/benchmarks.md; ``gradiveq`` light for the first half of the run, its measured
+            schedule beside SGD, ``lgc`` and ``iwp`` with ``lr_reference="peak"`` beside an
+            Adam-like optimizer, where ``gradiveq`` holds its
             light level (``high_level=0``): the codec's ``adaptive_optimizer_controller``; ``iwp``
             with ``lr_scaled_feedback=True`` whenever the controller runs: its
             ``adaptive_harness_defaults``) and

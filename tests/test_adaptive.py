@@ -122,9 +122,12 @@ def test_the_strategy_builds_the_callback_it_will_attach():
     assert isinstance(cb, AdaptiveCompression) and (cb.eta, cb.interval) == (0.3, 20)
     assert CompressedDDPStrategy(codec="topk", adaptive_level=True)._adaptive_callback.interval == 50
     assert CompressedDDPStrategy(codec="topk")._adaptive_callback is None  # off by default
-    # on by default for gradiveq, with the rule measured for it; True gives the callback's defaults
-    assert CompressedDDPStrategy(codec="gradiveq")._adaptive_callback.lr_reference == "peak"
-    assert CompressedDDPStrategy(codec="gradiveq", adaptive_level=True)._adaptive_callback.lr_reference == "previous"
+    # on by default for gradiveq, with the rule measured for it (light for the first half of the
+    # run, the rate ignored); True gives the callback's defaults
+    gradiveq = CompressedDDPStrategy(codec="gradiveq")._adaptive_callback
+    assert (gradiveq.warmup, gradiveq.lr_drop) == (0.5, 0.0)
+    plain = CompressedDDPStrategy(codec="gradiveq", adaptive_level=True)._adaptive_callback
+    assert (plain.warmup, plain.lr_drop, plain.lr_reference) == (0.05, 0.5, "previous")
     assert CompressedDDPStrategy(codec="lgc")._adaptive_callback.lr_reference == "previous"
 
 

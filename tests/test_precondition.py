@@ -253,7 +253,7 @@ def test_gradiveq_beside_adam_holds_its_light_level_unless_told_otherwise():
     attached by default holds the light level: 16 components on every step."""
     strategy = _set_up_beside("adamw", codec="gradiveq")
     controller = strategy._adaptive_callback
-    assert (controller.low_level, controller.high_level, controller.lr_reference) == (0.0, 0.0, "peak")
+    assert (controller.low_level, controller.high_level) == (0.0, 0.0)  # one level: no rule applies
     assert strategy._optimizer_defaults == {"options": {"quant_levels": 31}, "controller": {"high_level": 0.0}}
     codec = strategy.codec
     codec.set_level(controller.high_level)
@@ -280,9 +280,10 @@ def test_lgc_beside_adam_takes_the_peak_rule_only_for_the_controller_it_attached
     assert _controller_beside("adamw", codec="lgc", adaptive_level={"eta": 0.5}).lr_reference == "previous"
     assert _controller_beside("adamw", codec="lgc", adaptive_level=True).lr_reference == "previous"
     assert _controller_beside("adamw", codec="lgc", adaptive_level=False) is None
-    # gradiveq's own rule is the peak one with any optimizer; iwp's is lgc's; topk has no
-    # controller by default
-    assert _controller_beside("adamw", codec="gradiveq").lr_reference == "peak"
+    # gradiveq's own schedule (light for the first half) with any optimizer, held at one level
+    # beside Adam (below); iwp's rule is lgc's; topk has no controller by default
+    gradiveq = _controller_beside("adamw", codec="gradiveq")
+    assert (gradiveq.warmup, gradiveq.lr_drop, gradiveq.high_level) == (0.5, 0.0, 0.0)
     assert _controller_beside("adamw", codec="iwp").lr_reference == "peak"
     assert _controller_beside("sgd", codec="iwp").lr_reference == "previous"
     assert _controller_beside("adamw", codec="topk") is None
