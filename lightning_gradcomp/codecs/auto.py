@@ -360,7 +360,12 @@ class AutoCodec(BucketRouter, AdjustableLevel, Codec):
         self._step_arm: int | None = None  # the arm every bucket of an exploration step goes through
 
     def wire_formats(self) -> dict[str, int]:
-        return {**{arm.name: arm.wire_format for arm in self.arms}, self.name: self.wire_format}
+        # each arm's own wire_formats(), as lgc takes its stage-1 codec's: an arm that sends another
+        # codec's messages brings that layout too
+        formats = super().wire_formats()
+        for arm in self.arms:
+            formats.update(arm.wire_formats())
+        return formats
 
     def check_harness(self, harness: HarnessOptions) -> None:
         if harness.momentum:
