@@ -384,6 +384,8 @@ def _mismatch(rank: int, world: int) -> bytes:
     import torch.distributed as dist
 
     errors = {}
+    terngrad = codec_class("terngrad")
+    layout = terngrad.wire_format
     for case, (name, opts) in {
         "option": ("topk", {"ratio": 0.01 if rank == 0 else 0.02}),
         "name": ("topk" if rank == 0 else "fp16", {}),
@@ -391,7 +393,6 @@ def _mismatch(rank: int, world: int) -> bytes:
         "wire format": ("terngrad", {}),  # rank 1 plays a version whose codes had another layout
         "same": ("topk", {"ratio": 0.01}),
     }.items():
-        terngrad, layout = codec_class("terngrad"), codec_class("terngrad").wire_format
         if case == "wire format" and rank == 1:
             terngrad.wire_format = layout - 1
         try:
