@@ -12,6 +12,7 @@ import glob
 import hashlib
 import json
 import logging
+import math
 import os
 import warnings
 from types import SimpleNamespace
@@ -123,12 +124,39 @@ def test_the_strategy_builds_the_callback_it_will_attach():
     assert CompressedDDPStrategy(codec="topk", adaptive_level=True)._adaptive_callback.interval == 50
     assert CompressedDDPStrategy(codec="topk")._adaptive_callback is None  # off by default
     # on by default for gradiveq, with the rule measured for it (light for the first half of the
-    # run, the rate ignored); True gives the callback's defaults
+    # run; a step decay still counts, a smooth one does not); True gives the callback's defaults
     gradiveq = CompressedDDPStrategy(codec="gradiveq")._adaptive_callback
-    assert (gradiveq.warmup, gradiveq.lr_drop) == (0.5, 0.0)
+    assert (gradiveq.warmup, gradiveq.lr_drop, gradiveq.lr_reference) == (0.5, 0.5, "previous")
     plain = CompressedDDPStrategy(codec="gradiveq", adaptive_level=True)._adaptive_callback
     assert (plain.warmup, plain.lr_drop, plain.lr_reference) == (0.05, 0.5, "previous")
     assert CompressedDDPStrategy(codec="lgc")._adaptive_callback.lr_reference == "previous"
+
+
+def _recipe_cosine(total: int) -> list[float]:
+    """The CIFAR-10 recipe's rate, step by step: a linear warm-up over 5 % of the run, then a cosine to 0."""
+    warmup = max(1, min(500, total // 20))
+    return [0.05 * min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / total)) for s in range(total)]
+
+
+def test_gradiveqs_default_rule_beside_sgd_sees_a_step_decay_and_not_a_smooth_one():
+    # light for the first half of the run, then heavy (the norm is constant here, so after the
+    # first window's comparison the norm rule never fires); a tenfold step decay at step 140 is
+    # light from the next step to the end of the next full window (step 200, the run's end), while
+    # the recipe's cosine is light only after its last halving of the rate, at its final step
+    total, drop_at = 200, 140
+
+    def levels_under(rates: list[float]) -> list[float]:
+        cb = CompressedDDPStrategy(codec="gradiveq")._adaptive_callback
+        return _drive(cb, [1.0] * total, rates)[0]
+
+    step_decay = levels_under([0.05 if s < drop_at else 0.005 for s in range(total)])
+    assert step_decay == [0.0] * 100 + [1.0] * (drop_at + 1 - 100) + [0.0] * (total - drop_at - 1), step_decay
+    cosine = levels_under(_recipe_cosine(total))
+    assert cosine == [0.0] * 100 + [1.0] * (total - 101) + [0.0], cosine
+    # the rule it replaced (the rate ignored) stays heavy after the step decay
+    rates = [0.05] * drop_at + [0.005] * (total - drop_at)
+    ignored = _drive(AdaptiveCompression(warmup=0.5, lr_drop=0.0), [1.0] * total, rates)[0]
+    assert ignored == [0.0] * 100 + [1.0] * 100, ignored
 
 
 def test_iwp_keeps_its_residual_in_units_of_the_update_whenever_the_controller_runs():
@@ -209,7 +237,7 @@ def _drive(
         callbacks=[],
         optimizers=[optimizer],
         global_step=0,
-        estimated_stepping_batches=100,
+        estimated_stepping_batches=max(100, len(norms)),
     )
     module = _Module()
     cb.setup(trainer, module, "fit")

@@ -283,7 +283,7 @@ def test_lgc_beside_adam_takes_the_peak_rule_only_for_the_controller_it_attached
     # gradiveq's own schedule (light for the first half) with any optimizer, held at one level
     # beside Adam (below); iwp's rule is lgc's; topk has no controller by default
     gradiveq = _controller_beside("adamw", codec="gradiveq")
-    assert (gradiveq.warmup, gradiveq.lr_drop, gradiveq.high_level) == (0.5, 0.0, 0.0)
+    assert (gradiveq.warmup, gradiveq.lr_drop, gradiveq.high_level) == (0.5, 0.5, 0.0)
     assert _controller_beside("adamw", codec="iwp").lr_reference == "peak"
     assert _controller_beside("sgd", codec="iwp").lr_reference == "previous"
     assert _controller_beside("adamw", codec="topk") is None

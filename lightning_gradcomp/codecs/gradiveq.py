@@ -329,9 +329,12 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
     # run, then heavy unless a window's norm changes by half (the rate ignored), ended 0.56
     # point above the peak rule over six seeds on an Intel Xeon (standard error 0.22; level or
     # above on every seed) with 8 % fewer bytes, 22.4x over the run instead of 20.7x
-    # (docs/benchmarks.md, "Light first, heavy late, beside SGD"). Beside Adam the controller
-    # holds one level (adaptive_optimizer_controller), so the schedule does not apply there.
-    adaptive_by_default = {"warmup": 0.5, "lr_drop": 0.0}
+    # (docs/benchmarks.md, "Light first, heavy late, beside SGD"). A step decay of the rate
+    # (a fall by half from one step to the next) is light again, as Accordion has it; a smooth
+    # decay is not, but for the cosine's last two steps, which changed nothing measurable
+    # ("A step decay counts again"). Beside Adam the controller holds one level
+    # (adaptive_optimizer_controller), so the schedule does not apply there.
+    adaptive_by_default = {"warmup": 0.5}
     # beside Adam the coefficients' quantization costs: on PSPNet/CamVid (AdamW, eight seeds)
     # fp32 coefficients ended 0.89 mIoU above seven levels (standard error 0.25) at 2.7x the
     # bytes, and 31 levels 0.65 above (0.50) at 1.18x, for two ranks (docs/benchmarks.md, "Eight
