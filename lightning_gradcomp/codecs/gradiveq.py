@@ -331,7 +331,7 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
     # above on every seed) with 8 % fewer bytes, 22.4x over the run instead of 20.7x
     # (docs/benchmarks.md, "Light first, heavy late, beside SGD"). A step decay of the rate
     # (a fall by half from one step to the next) is light again, as Accordion has it; a smooth
-    # decay is not, but for the cosine's last two steps, which changed nothing measurable
+    # decay is not, but for the recipe cosine's last step, which changed no validation
     # ("A step decay counts again"). Beside Adam the controller holds one level
     # (adaptive_optimizer_controller), so the schedule does not apply there.
     adaptive_by_default = {"warmup": 0.5}
