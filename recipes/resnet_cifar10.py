@@ -47,6 +47,7 @@ import os
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -265,6 +266,13 @@ class CIFAR10DataModule(L.LightningDataModule):
         return augment_on_device(images, train=self.trainer is not None and self.trainer.training), labels
 
 
+def warmup_cosine(total: int) -> Callable[[int], float]:
+    """The rate's factor at optimizer step ``s`` of ``total``: a linear warm-up over the first 5 %
+    (at most 500 steps), then a cosine from 1 to 0."""
+    warmup = max(1, min(500, total // 20))
+    return lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total)))
+
+
 class CIFAR10Classifier(L.LightningModule):
     """Cross-entropy training with SGD (Nesterov momentum 0.9, linear warm-up over the first 5 %
     of the steps, at most 500, then cosine decay to 0); top-1 accuracy on the test split.
@@ -323,12 +331,10 @@ class CIFAR10Classifier(L.LightningModule):
                 nesterov=True,
                 weight_decay=self.hparams.weight_decay,
             )
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        warmup = max(1, min(500, total // 20))
-        cosine = lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total)))  # noqa: E731
+        schedule = warmup_cosine(max(1, int(self.trainer.estimated_stepping_batches)))
         return {
             "optimizer": opt,
-            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, cosine), "interval": "step"},
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"},
         }
 
 

@@ -12,7 +12,6 @@ import glob
 import hashlib
 import json
 import logging
-import math
 import os
 import warnings
 from types import SimpleNamespace
@@ -132,12 +131,6 @@ def test_the_strategy_builds_the_callback_it_will_attach():
     assert CompressedDDPStrategy(codec="lgc")._adaptive_callback.lr_reference == "previous"
 
 
-def _recipe_cosine(total: int) -> list[float]:
-    """The CIFAR-10 recipe's rate, step by step: a linear warm-up over 5 % of the run, then a cosine to 0."""
-    warmup = max(1, min(500, total // 20))
-    return [0.05 * min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / total)) for s in range(total)]
-
-
 def test_gradiveqs_default_rule_beside_sgd_sees_a_step_decay_and_not_a_smooth_one():
     # light for the first half of the run, then heavy (the norm is constant here, so after the
     # first window's comparison the norm rule never fires); a tenfold step decay at step 140 is
@@ -151,7 +144,8 @@ def test_gradiveqs_default_rule_beside_sgd_sees_a_step_decay_and_not_a_smooth_on
 
     step_decay = levels_under([0.05 if s < drop_at else 0.005 for s in range(total)])
     assert step_decay == [0.0] * 100 + [1.0] * (drop_at + 1 - 100) + [0.0] * (total - drop_at - 1), step_decay
-    cosine = levels_under(_recipe_cosine(total))
+    schedule = _load_recipe("resnet_cifar10").warmup_cosine(total)  # the CIFAR-10 recipe's own
+    cosine = levels_under([0.05 * schedule(s) for s in range(total)])
     assert cosine == [0.0] * 100 + [1.0] * (total - 101) + [0.0], cosine
     # the rule it replaced (the rate ignored) stays heavy after the step decay
     rates = [0.05] * drop_at + [0.005] * (total - drop_at)
