@@ -1,6 +1,7 @@
 """GradiVeQ: option checks, exact PCA properties, and real 2-process gloo runs (plain DDP and Lightning)."""
 
 import io
+import math
 
 import pytest
 import torch
@@ -264,13 +265,42 @@ def test_field_width_follows_the_levels_and_the_world_size(world, quant_levels, 
     assert codec.payload_numel(64 * 64) == -(-64 * 4 // fields) + 1
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8, 16, 64])
+def test_filled_levels_are_the_most_that_pack_as_many_fields_a_word(world):
+    def fields(levels: int) -> int:
+        return 24 // math.ceil(math.log2(2 * world * levels + 1))
+
+    for levels in range(1, 600):
+        filled = GradiVeQCodec.fill_levels(levels, world)
+        assert filled >= levels
+        assert fields(filled) == fields(levels), (levels, filled)
+        assert fields(filled + 1) < fields(levels), (levels, filled)  # one more needs a wider field
+    assert GradiVeQCodec.fill_levels(0, world) == 0  # unquantized stays unquantized
+    # the codec sends the filled levels in the bytes of the unfilled ones
+    filled, plain = (make_codec("gradiveq", quant_fill=fill) for fill in (True, False))
+    for codec in (filled, plain):
+        codec.setup(CodecContext(0, world, torch.device("cpu")))
+    assert (filled.levels, plain.levels) == (GradiVeQCodec.fill_levels(7, world), 7)
+    assert filled._field_bits()[1] == plain._field_bits()[1]
+    assert filled.payload_numel(64 * 64 + 5) == plain.payload_numel(64 * 64 + 5)
+
+
 @pytest.mark.parametrize("quant_scale", ["component", "layer"])
 @pytest.mark.parametrize("quant_rounding", ["nearest", "stochastic"])
-@pytest.mark.parametrize(("quant_levels", "bits", "fields"), [(7, 5, 4), (3, 4, 6)])
-def test_packed_quantized_levels_sum_exactly(quant_scale, quant_rounding, quant_levels, bits, fields):
+@pytest.mark.parametrize(
+    ("quant_levels", "quant_fill", "bits", "fields"),
+    # filled, seven levels become fifteen: 6-bit fields, still four a word
+    [(7, False, 5, 4), (3, False, 4, 6), (7, True, 6, 4)],
+)
+def test_packed_quantized_levels_sum_exactly(quant_scale, quant_rounding, quant_levels, quant_fill, bits, fields):
     world = 2
     codec, g = fitted_codec(
-        world=world, n=8 * 200, quant_levels=quant_levels, quant_scale=quant_scale, quant_rounding=quant_rounding
+        world=world,
+        n=8 * 200,
+        quant_levels=quant_levels,
+        quant_fill=quant_fill,
+        quant_scale=quant_scale,
+        quant_rounding=quant_rounding,
     )
     xs = [torch.randn(8 * 200 + 3, generator=g) for _ in range(world)]
     scale = _shared_scale(codec, xs)
@@ -281,6 +311,7 @@ def test_packed_quantized_levels_sum_exactly(quant_scale, quant_rounding, quant_
         encs.append(codec.encode(v, "w", None, 10, prepared=_SharedScale(scale)))
     b, f = codec._field_bits()
     assert (b, f) == (bits, fields)  # levels sum to [0, 4s]: s=7 5 bits, 4 a word; s=3 4 bits, 6 a word
+    assert codec.levels == (15 if quant_fill else quant_levels)
     assert encs[0].payload[0].numel() == -(-200 * 3 // f) + scale.numel()
     assert codec.payload_numel(xs[0].numel()) == sum(p.numel() for p in encs[0].payload)
     summed = [encs[0].payload[i] + encs[1].payload[i] for i in range(2)]
@@ -293,7 +324,7 @@ def test_packed_quantized_levels_sum_exactly(quant_scale, quant_rounding, quant_
     # step when rounded to the nearest)
     exact = codec._coefficients(xs[0], "w")
     got = codec._dequantize(encs[0].payload[0], exact.numel(), 1, 3).view_as(exact)
-    step = scale / quant_levels
+    step = scale / codec.levels
     bound = step / 2 if quant_rounding == "nearest" else step
     assert ((got - exact).abs() <= bound * (1 + 1e-5)).all()
 
@@ -441,6 +472,7 @@ def gloo_worker(rank: int, world: int) -> bytes:
         "k4": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=0),
         "kd": ddp_run(rank, world, steps, slice_dim=8, num_components=8, center=True, quant_levels=0),
         "q": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=7),
+        "qfill": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=7, quant_fill=True),
         "mismatch": _mismatch(rank, world),
     }
     # bytes, not tensors: tensors in a multiprocessing queue live in the sender's shared memory,
@@ -452,7 +484,7 @@ def gloo_worker(rank: int, world: int) -> bytes:
 
 def test_two_ranks_sum_codes_in_the_all_reduce():
     r0, r1 = (torch.load(io.BytesIO(r), weights_only=True) for r in run_gloo(gloo_worker, 2))
-    for name in ("k4", "kd", "q"):
+    for name in ("k4", "kd", "q", "qfill"):
         a, b = r0[name], r1[name]
         # (2) the bases are identical on both ranks, bit for bit
         assert a["digest"] == b["digest"], name
@@ -486,6 +518,9 @@ def test_two_ranks_sum_codes_in_the_all_reduce():
         if ratio:  # slices of 8 sent as 2 coefficients, each weight's tail of 4 raw, small layers raw
             assert expect == 4 * ((3300 // 8) * 2 + 4 + (1100 // 8) * 2 + 4 + dense + 1)
     assert r0["q"]["payload"][-1] < r0["k4"]["payload"][-1] / 3  # 7 levels: 4 codes in a word
+    # filled to fifteen levels, the same bytes on every step, and the levels did change the sums
+    assert r0["qfill"]["payload"] == r0["q"]["payload"]
+    assert not torch.equal(r0["qfill"]["got"]["0.weight"], r0["q"]["got"]["0.weight"])
     # (4) the state dict restores the basis
     fresh = make_codec("gradiveq", basis_source="aggregate", slice_dim=8, num_components=8, center=True, quant_levels=0)
     fresh.load_state_dict(r0["kd"]["state_dict"])

@@ -245,6 +245,7 @@ _OPTION_CHANGES = {
     ("gradiveq", "num_components"): (4, None),  # None: resolved when used (4, or slice_dim with a variance target)
     ("gradiveq", "quant_scale"): ("<absent>", "layer"),  # what it did before; "component" measured worse
     ("gradiveq", "quant_rounding"): ("<absent>", "stochastic"),  # what it did before; "nearest" measured worse
+    ("gradiveq", "quant_fill"): ("<absent>", False),  # levels as given, as before
     ("lgc", "code"): ("<absent>", "levels"),  # the learned code of stage 3 (the AE is code="autoencoder")
     ("lgc", "code_bits"): ("<absent>", 2),
     ("lgc", "density_warmup"): ("<absent>", 0),  # DGC's warm-up of sparsity after stage 1, off by default

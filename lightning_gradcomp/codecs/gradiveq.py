@@ -203,6 +203,11 @@ def _directions(vecs: Tensor, k: int) -> Tensor:
 
 
 @functools.lru_cache(maxsize=None)
+def _bits_for(span: int) -> int:
+    """Bits of a field that holds the integers ``0..span``."""
+    return max(1, math.ceil(math.log2(span + 1)))
+
+
 def _field_powers(b: int, f: int, device: torch.device) -> Tensor:
     """``2^(b i)`` for ``i < f`` in fp32 on ``device``, made once (a copy to a GPU waits)."""
     return torch.tensor([float(1 << (b * i)) for i in range(f)], dtype=torch.float32).to(device)
@@ -224,6 +229,7 @@ class GradiVeQOptions(CodecOptions):
     basis: str = "layer"
     center: bool = False
     quant_levels: int = 7
+    quant_fill: bool = False
     quant_scale: str = "layer"
     quant_rounding: str = "stochastic"
     seed: int = 0
@@ -255,6 +261,7 @@ class GradiVeQOptions(CodecOptions):
             raise ValueError(
                 f"quant_levels must be in [0, {2 ** (_EXACT_BITS - 2) - 1}] (0 = no quantization), got {quant_levels}"
             )
+        self._set("quant_fill", check_bool("quant_fill", self.quant_fill))
         check_choice("quant_scale", self.quant_scale, QUANT_SCALES)
         check_choice("quant_rounding", self.quant_rounding, QUANT_ROUNDINGS)
         self._set("seed", check_seed("seed", self.seed))
@@ -305,6 +312,9 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
             stacks GradiVeQ with QSGD, the value is ours): with ``d=64, k=4`` about 60x fewer
             bytes than fp32 for two ranks. Beside an Adam-like optimizer ``CompressedDDPStrategy``
             sets 31 when the user did not set it (:attr:`adaptive_optimizer_defaults`).
+        quant_fill: raise ``s`` to the most levels whose sums pack as many fields into a word as
+            ``s``'s do for this world size (:meth:`fill_levels`): finer levels at the same bytes
+            (two ranks: 15 for 7, 63 for 31; four ranks: 7 stays 7). Default False.
         quant_scale: ``"layer"`` (default): one shared scale per layer; ``"component"``: one per
             principal component of a layer (measured, not adopted: see the module docstring).
         quant_rounding: ``"stochastic"`` (default; QSGD's unbiased rounding) or ``"nearest"``
@@ -578,10 +588,29 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
             g = g - self._mu32[bkey]
         return g @ self._u32[bkey]
 
+    @staticmethod
+    def fill_levels(levels: int, world_size: int) -> int:
+        """The most levels ``s' >= levels`` whose sums over ``world_size`` ranks pack as many
+        fields into an fp32 word as ``levels``' do: a field of ``b`` bits leaves ``24 mod b`` bits
+        of each word unused, and the widest field that still packs ``F = floor(24 / b)`` a word,
+        ``floor(24 / F)`` bits, holds sums up to ``2 N s' <= 2**floor(24 / F) - 1``."""
+        if levels <= 0:
+            return levels
+        fields = _EXACT_BITS // _bits_for(2 * world_size * levels)
+        if fields == 0:  # too wide for a word: _field_bits says so
+            return levels
+        widest = _EXACT_BITS // fields
+        return max(levels, min((2**widest - 1) // (2 * world_size), 2 ** (_EXACT_BITS - 2) - 1))
+
+    @property
+    def levels(self) -> int:
+        """s as sent: ``quant_levels``, filled up to its field's width with ``quant_fill``."""
+        s = self.options.quant_levels
+        return self.fill_levels(s, self.world_size) if self.options.quant_fill else s
+
     def _field_bits(self) -> tuple[int, int]:
         """(b, F): bits of a packed field and fields per fp32 word for this world size."""
-        span = 2 * self.world_size * self.options.quant_levels
-        b = max(1, math.ceil(math.log2(span + 1)))
+        b = _bits_for(2 * self.world_size * self.levels)
         if b > _EXACT_BITS:
             raise ValueError(
                 f"quant_levels={self.options.quant_levels} with {self.world_size} ranks: level sums need {b} bits, "
@@ -716,7 +745,7 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
         return EncodeResult([coef, tail], ctx=_LayerContext(bkey, s))
 
     def _quantize(self, c: Tensor, scale: Tensor, gen: torch.Generator) -> Tensor:
-        s = self.options.quant_levels
+        s = self.levels
         b, f = self._field_bits()
         # the scales stay tensors (no host sync): s / a in fp64 rounded once to fp32; a scale of 0
         # (or NaN) sends zeros. One scale per column of c (a component), or one for all
@@ -740,7 +769,7 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
         return k if self.options.quant_scale == "component" else 1
 
     def _dequantize(self, words: Tensor, n: int, count: int, k: int) -> Tensor:
-        s = self.options.quant_levels
+        s = self.levels
         b, f = self._field_bits()
         m = self._scale_count(k)
         # the shared scales, summed over count ranks (fp64, rounded once to fp32)
