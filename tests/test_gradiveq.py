@@ -258,7 +258,7 @@ def _shared_scale(codec: GradiVeQCodec, xs: list[torch.Tensor]) -> torch.Tensor:
     [(2, 7, 5, 4), (2, 3, 4, 6), (4, 7, 6, 4), (4, 3, 5, 4), (8, 7, 7, 3), (8, 3, 6, 4)],
 )
 def test_field_width_follows_the_levels_and_the_world_size(world, quant_levels, bits, fields):
-    codec = make_codec("gradiveq", quant_levels=quant_levels)
+    codec = make_codec("gradiveq", quant_levels=quant_levels, quant_fill=False)
     codec.setup(CodecContext(0, world, torch.device("cpu")))
     assert codec._field_bits() == (bits, fields)
     # the payload of a layer of 64 slices of d=64 at k=4: ceil(256 / F) words and the scale
@@ -471,7 +471,7 @@ def gloo_worker(rank: int, world: int) -> bytes:
     out = {
         "k4": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=0),
         "kd": ddp_run(rank, world, steps, slice_dim=8, num_components=8, center=True, quant_levels=0),
-        "q": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=7),
+        "q": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=7, quant_fill=False),
         "qfill": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=7, quant_fill=True),
         "mismatch": _mismatch(rank, world),
     }
