@@ -202,12 +202,12 @@ def _directions(vecs: Tensor, k: int) -> Tensor:
     return (u * signs).to(torch.float32)
 
 
-@functools.lru_cache(maxsize=None)
 def _bits_for(span: int) -> int:
     """Bits of a field that holds the integers ``0..span``."""
     return max(1, math.ceil(math.log2(span + 1)))
 
 
+@functools.lru_cache(maxsize=None)
 def _field_powers(b: int, f: int, device: torch.device) -> Tensor:
     """``2^(b i)`` for ``i < f`` in fp32 on ``device``, made once (a copy to a GPU waits)."""
     return torch.tensor([float(1 << (b * i)) for i in range(f)], dtype=torch.float32).to(device)
