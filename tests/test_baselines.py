@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from lightning_gradcomp import CodecContext, make_codec
 from lightning_gradcomp.codecs.base import RoundContext
 from lightning_gradcomp.codecs.bits import (
+    bits_to_hold,
     digits_nbytes,
     digits_per_byte,
     pack_bits,
@@ -51,6 +52,14 @@ def test_digit_packing_round_trips_in_the_fewest_whole_digits_a_byte(base, n, se
     assert torch.equal(unpack_digits(packed, base, n), codes)
     if base in (2, 4, 16, 256):  # a power of two dividing 256: the bit fields' bytes exactly
         assert torch.equal(packed, pack_bits(codes, base.bit_length() - 1))
+
+
+def test_a_field_holds_its_largest_value_in_the_fewest_bits():
+    for largest in range(1, 5000):
+        b = bits_to_hold(largest)
+        assert 2 ** (b - 1) <= largest < 2**b, largest  # it fits, and one bit fewer would not
+    assert bits_to_hold(0) == 1  # a field is never empty
+    assert bits_to_hold(2**24 - 1) == 24 and bits_to_hold(2**24) == 25
 
 
 def test_ternary_codes_pack_five_to_a_byte():

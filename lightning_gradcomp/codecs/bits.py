@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "bits_to_hold",
     "pack_bits",
     "unpack_bits",
     "packed_nbytes",
@@ -27,6 +28,11 @@ __all__ = [
     "unpack_digits",
     "digits_nbytes",
 ]
+
+
+def bits_to_hold(largest: int) -> int:
+    """Bits of an unsigned field that holds every integer ``0..largest`` (at least one)."""
+    return max(1, int(largest).bit_length())
 
 
 def packed_nbytes(n: int, bits: int) -> int:

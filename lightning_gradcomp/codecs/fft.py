@@ -67,7 +67,15 @@ from lightning_gradcomp.codecs.base import (
     check_positive_int,
     check_seed,
 )
-from lightning_gradcomp.codecs.bits import codes_nbytes, pack_codes, pack_mask, packed_nbytes, unpack_codes, unpack_mask
+from lightning_gradcomp.codecs.bits import (
+    bits_to_hold,
+    codes_nbytes,
+    pack_codes,
+    pack_mask,
+    packed_nbytes,
+    unpack_codes,
+    unpack_mask,
+)
 from lightning_gradcomp.codecs.positions import positions_of_ones
 from lightning_gradcomp.codecs.rangefloat import ROUNDINGS, RangeFloat, range_float
 from lightning_gradcomp.codecs.sampling import seeded_generator, select_top
@@ -208,7 +216,7 @@ class FFTCodec(LearnedState, Codec):
     def _index_bits(self, nb: int, C: int) -> int:
         # block selection sends block-local positions; layer selection positions in the whole layer
         span = C if self.options.selection == "block" else nb * C
-        return max(1, math.ceil(math.log2(span)))
+        return bits_to_hold(span - 1)
 
     def payload_nbytes(self, numel: int) -> int:
         """Bytes of one layer's message (without the 8-byte range header)."""

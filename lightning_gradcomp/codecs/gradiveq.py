@@ -81,7 +81,6 @@ the message sizes agree either way).
 from __future__ import annotations
 
 import functools
-import math
 import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -107,6 +106,7 @@ from lightning_gradcomp.codecs.base import (
     geometric_level,
     run_steps,
 )
+from lightning_gradcomp.codecs.bits import bits_to_hold
 from lightning_gradcomp.codecs.sampling import seeded_generator
 from lightning_gradcomp.comm import digest
 from lightning_gradcomp.memory import LocksNotPickled, StepUndo
@@ -200,11 +200,6 @@ def _directions(vecs: Tensor, k: int) -> Tensor:
     signs = torch.sign(u[idx, torch.arange(k, device=u.device)])
     signs[signs == 0] = 1
     return (u * signs).to(torch.float32)
-
-
-def _bits_for(span: int) -> int:
-    """Bits of a field that holds the integers ``0..span``."""
-    return max(1, math.ceil(math.log2(span + 1)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -599,7 +594,7 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
         ``floor(24 / F)`` bits, holds sums up to ``2 N s' <= 2**floor(24 / F) - 1``."""
         if levels <= 0:
             return levels
-        fields = _EXACT_BITS // _bits_for(2 * world_size * levels)
+        fields = _EXACT_BITS // bits_to_hold(2 * world_size * levels)
         if fields == 0:  # too wide for a word: _field_bits says so
             return levels
         widest = _EXACT_BITS // fields
@@ -613,7 +608,7 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
 
     def _field_bits(self) -> tuple[int, int]:
         """(b, F): bits of a packed field and fields per fp32 word for this world size."""
-        b = _bits_for(2 * self.world_size * self.levels)
+        b = bits_to_hold(2 * self.world_size * self.levels)
         if b > _EXACT_BITS:
             raise ValueError(
                 f"quant_levels={self.options.quant_levels} with {self.world_size} ranks: level sums need {b} bits, "
