@@ -288,12 +288,14 @@ def test_filled_levels_are_the_most_that_pack_as_many_fields_a_word(world):
 @pytest.mark.parametrize("quant_scale", ["component", "layer"])
 @pytest.mark.parametrize("quant_rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize(
-    ("quant_levels", "quant_fill", "bits", "fields"),
-    # filled, seven levels become fifteen: 6-bit fields, still four a word
-    [(7, False, 5, 4), (3, False, 4, 6), (7, True, 6, 4)],
+    ("world", "quant_levels", "quant_fill", "bits", "fields"),
+    # filled, seven levels become fifteen: with two ranks 6-bit fields, still four a word; with
+    # eight, 8-bit fields, still three a word (seven levels unfilled: 7 bits)
+    [(2, 7, False, 5, 4), (2, 3, False, 4, 6), (2, 7, True, 6, 4), (8, 7, False, 7, 3), (8, 7, True, 8, 3)],
 )
-def test_packed_quantized_levels_sum_exactly(quant_scale, quant_rounding, quant_levels, quant_fill, bits, fields):
-    world = 2
+def test_packed_quantized_levels_sum_exactly(
+    quant_scale, quant_rounding, world, quant_levels, quant_fill, bits, fields
+):
     codec, g = fitted_codec(
         world=world,
         n=8 * 200,
@@ -302,7 +304,11 @@ def test_packed_quantized_levels_sum_exactly(quant_scale, quant_rounding, quant_
         quant_scale=quant_scale,
         quant_rounding=quant_rounding,
     )
-    xs = [torch.randn(8 * 200 + 3, generator=g) for _ in range(world)]
+    if world == 2:
+        xs = [torch.randn(8 * 200 + 3, generator=g) for _ in range(world)]
+    else:  # every rank the same values: the coefficient at the scale takes the top level on every
+        # rank, so its field holds the largest sum, 2*N*s, and must not carry into its neighbour
+        xs = [torch.randn(8 * 200 + 3, generator=g)] * world
     scale = _shared_scale(codec, xs)
     assert scale.shape == ((3,) if quant_scale == "component" else (1,))
     encs = []
@@ -310,16 +316,19 @@ def test_packed_quantized_levels_sum_exactly(quant_scale, quant_rounding, quant_
         codec.context = CodecContext(r, world, torch.device("cpu"))
         encs.append(codec.encode(v, "w", None, 10, prepared=_SharedScale(scale)))
     b, f = codec._field_bits()
-    assert (b, f) == (bits, fields)  # levels sum to [0, 4s]: s=7 5 bits, 4 a word; s=3 4 bits, 6 a word
+    assert (b, f) == (bits, fields)  # levels sum to [0, 2Ns]: s=7, N=2: 5 bits, 4 a word; s=3: 4 bits, 6 a word
     assert codec.levels == (15 if quant_fill else quant_levels)
     assert encs[0].payload[0].numel() == -(-200 * 3 // f) + scale.numel()
     assert codec.payload_numel(xs[0].numel()) == sum(p.numel() for p in encs[0].payload)
-    summed = [encs[0].payload[i] + encs[1].payload[i] for i in range(2)]
+    summed = [sum(enc.payload[i] for enc in encs) for i in range(2)]
     total = codec.decode(summed, encs[0].ctx, xs[0].numel(), world)
     n = xs[0].numel()
     torch.testing.assert_close(
-        total, local_reconstruction(codec, encs[0], n) + local_reconstruction(codec, encs[1], n), atol=1e-5, rtol=0
+        total, sum(local_reconstruction(codec, enc, n) for enc in encs), atol=1e-5 * world, rtol=0
     )
+    if world > 2:  # the top level's sum decoded whole: N times the scale
+        top = codec._dequantize(summed[0], 200 * 3, world, 3).abs().max()
+        torch.testing.assert_close(top, world * scale.max(), atol=0, rtol=1e-6)
     # every decoded coefficient lies within one level step of its own component's scale (half a
     # step when rounded to the nearest)
     exact = codec._coefficients(xs[0], "w")
