@@ -8,10 +8,10 @@ two, integer and bit operations, seeded draws), so the digest is the same on eve
 change of the bytes, even at the same size (another order of the digits), fails until the codec's
 ``wire_format`` is raised and the new digest recorded beside it. The codecs built on floating-point
 transforms (``fft``, ``gradiveq``, ``powersgd``, ``lgc``'s fitted levels) round differently from
-one machine's kernels to another's, so their bytes cannot be pinned this way; their sizes are
-tested with each codec. ``gradiveq`` is pinned with its fitted basis replaced by a signed
-permutation of the coordinates (``EXACT_STATE``): its projection is then exact, and what is pinned
-is everything after it, the quantization, the packing of the level fields, the scale and the tail.
+one machine's kernels to another's, so their bytes cannot be pinned as they are; their sizes are
+tested with each codec. ``gradiveq`` is pinned all the same once its fitted basis is replaced by
+signed coordinate vectors (``EXACT_STATE``): its projection is then exact, and what is pinned is
+everything after it, the quantization, the packing of the level fields, the scale and the tail.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ PINNED = {
 
 
 def exact_basis(codec, step: int) -> bool:
-    """Replace each fitted basis by signed coordinate vectors (columns e_2, -e_5, e_0, ...), a
-    mean of zero: every coefficient is then one gradient value, on any machine's kernels."""
+    """Replace each fitted basis by signed coordinate vectors (each column ``±e_i``, no ``i`` twice)
+    and its mean by zero: every coefficient is then one gradient value, on any machine's kernels."""
     gen = torch.Generator().manual_seed(1)
     for key, u in codec._bases.items():
         d, k = u.shape
