@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.codecs.base import Codec, CodecOptions, EncodeResult, check_choice, check_seed
-from lightning_gradcomp.codecs.bits import codes_nbytes, pack_codes, unpack_codes
+from lightning_gradcomp.codecs.bits import bits_to_hold, codes_nbytes, pack_codes, unpack_codes
 from lightning_gradcomp.codecs.sampling import seeded_generator
 from lightning_gradcomp.registry import register_codec
 
@@ -96,7 +96,7 @@ def rf_quantize(
             # smallest non-zero magnitude: zeros wrap to the largest int by the -1, & mask
             amin = float(((ai - 1) & 0x7FFFFFFF).min().add_(1).view(torch.float32))
             span = top - (math.frexp(amin)[1] - 1) + 1  # binades to cover as normals
-            e = min(e_cap, max(1, math.ceil(math.log2(span + 1))))
+            e = min(e_cap, bits_to_hold(span))  # exponent codes 0..span
         else:
             e = exponent_bits
         b = max(_MIN_BIAS, top - 2**e + 2)
