@@ -9,9 +9,12 @@ change of the bytes, even at the same size (another order of the digits), fails 
 ``wire_format`` is raised and the new digest recorded beside it. The codecs built on floating-point
 transforms (``fft``, ``gradiveq``, ``powersgd``, ``lgc``'s fitted levels) round differently from
 one machine's kernels to another's, so their bytes cannot be pinned as they are; their sizes are
-tested with each codec. ``gradiveq`` is pinned all the same once its fitted basis is replaced by
-signed coordinate vectors (``EXACT_STATE``): its projection is then exact, and what is pinned is
-everything after it, the quantization, the packing of the level fields, the scale and the tail.
+tested with each codec. ``gradiveq`` and ``fft`` are pinned all the same once their transform is
+replaced by an exact one (``EXACT_STATE``): ``gradiveq``'s fitted basis by signed coordinate
+vectors, ``fft``'s FFT by a map that copies values into the real and imaginary parts. What is
+pinned is everything after the transform: for ``gradiveq`` the quantization, the packing of the
+level fields, the scale and the tail; for ``fft`` the selection in each block, the range-based
+float's header and codes, and the packed positions.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ PINNED = {
     "iwp": ({"keep_fraction": 0.05}, (1, "a69016d8e9036da1")),
     "rangefloat": ({}, (1, "2aef6ec6a05ff0e2")),
     # 288 values in slices of 7: 41 slices, 3 coefficients each, a tail of one value
+    # blocks of 64: 5 blocks (the last half padding), 4 of 33 coefficients kept in each, block-local
+    # positions in 6 bits, the values in the range-based float's 8 bits
+    "fft": ({"block_size": 64}, (1, "7b394f1d513a3dcf")),
     "gradiveq": (
         {"basis_source": "aggregate", "slice_dim": 7, "num_components": 3, "min_numel": 0, "warmup_steps": 2},
         (1, "ce5d822d72167aa9"),
@@ -57,8 +63,29 @@ def exact_basis(codec, step: int) -> bool:
     return True
 
 
-#: codecs whose fitted state is replaced by an exact one before the pinned step
-EXACT_STATE = {"gradiveq": exact_basis}
+def exact_spectrum(codec, step: int) -> bool:
+    """Replace the FFT of each block by a map whose every output is one input value (the real parts
+    the block's first ``C`` values, the imaginary parts its last ``C``), and check that no two
+    coefficients tie at the edge of any block's kept set, so that the selection is the same on
+    every machine."""
+    size = codec.options.block_size
+    kept = codec.layout(288)[2] // codec.layout(288)[0]
+
+    def spectrum(x: torch.Tensor, nb: int) -> torch.Tensor:
+        blocks = torch.nn.functional.pad(x, (0, nb * size - x.numel())).view(nb, size)
+        c = size // 2 + 1
+        spec = torch.complex(blocks[:, :c], blocks[:, size - c :])
+        power = (spec.real.square() + spec.imag.square()).sort(dim=1, descending=True).values
+        assert bool((power[:, kept - 1] > power[:, kept]).all()), "a tie at the edge of the kept set"
+        return spec
+
+    codec._spectrum = spectrum
+    return True
+
+
+#: codecs whose fitted state or floating-point transform is replaced by an exact one before the
+#: pinned step
+EXACT_STATE = {"gradiveq": exact_basis, "fft": exact_spectrum}
 
 
 def one_layer() -> tuple[torch.Tensor, torch.Tensor]:
