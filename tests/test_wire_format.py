@@ -9,12 +9,15 @@ change of the bytes, even at the same size (another order of the digits), fails 
 ``wire_format`` is raised and the new digest recorded beside it. The codecs built on floating-point
 transforms (``fft``, ``gradiveq``, ``powersgd``, ``lgc``'s fitted levels) round differently from
 one machine's kernels to another's, so their bytes cannot be pinned as they are; their sizes are
-tested with each codec. ``gradiveq`` and ``fft`` are pinned all the same once their transform is
-replaced by an exact one (``EXACT_STATE``): ``gradiveq``'s fitted basis by signed coordinate
-vectors, ``fft``'s FFT by a map that copies values into the real and imaginary parts. What is
-pinned is everything after the transform: for ``gradiveq`` the quantization, the packing of the
-level fields, the scale and the tail; for ``fft`` the selection in each block, the range-based
-float's header and codes, and the packed positions.
+tested with each codec. ``gradiveq``, ``fft`` and ``lgc`` are pinned all the same once what they
+fit or transform is replaced by something exact (``EXACT_STATE``): ``gradiveq``'s fitted basis by
+signed coordinate vectors, ``fft``'s FFT by a map that copies values into the real and imaginary
+parts, ``lgc``'s fitted magnitude levels by dyadic ones. What is pinned is everything after that:
+for ``gradiveq`` the quantization, the packing of the level fields, the scale and the tail; for
+``fft`` the selection in each block, the range-based float's header and codes, and the packed
+positions; for ``lgc`` the leader's message (the guard's flag and the support's positions, which
+it broadcasts before the payload) and each rank's scale and codes. ``powersgd`` sends torch's own
+factors, not pinned.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ PINNED = {
     # blocks of 64: 5 blocks (the last half padding), 4 of 33 coefficients kept in each, block-local
     # positions in 6 bits, the values in the range-based float's 8 bits
     "fft": ({"block_size": 64}, (1, "7b394f1d513a3dcf")),
+    # stage 3 from step 7; a support of 72 of the 288 values (above the learned code's least), each
+    # value in 2 bits: the leader's message (the run-time guard's flag, the positions) and the codes
+    "lgc": ({"warmup_steps": 3, "ae_train_steps": 4, "ratio": 0.25}, (1, "84938a9fde7442d2")),
     "gradiveq": (
         {"basis_source": "aggregate", "slice_dim": 7, "num_components": 3, "min_numel": 0, "warmup_steps": 2},
         (1, "ce5d822d72167aa9"),
@@ -83,9 +89,23 @@ def exact_spectrum(codec, step: int) -> bool:
     return True
 
 
+def exact_levels(codec, step: int) -> bool:
+    """Once ``lgc`` is in stage 3, replace each layer's fitted magnitude levels by dyadic ones (the
+    leader's row and the other ranks' apart, so which row is used is pinned too): with values
+    ``k/16`` their RMS, the relative magnitudes and the nearest level are then exact IEEE results
+    on any machine."""
+    if codec.stage(step) != 3:
+        return False
+    for key, table in codec._levels.items():
+        count = table.shape[-1]
+        ladder = torch.arange(1, count + 1, dtype=table.dtype)
+        codec._levels[key] = torch.stack([ladder / 2, ladder / 2 + 0.25])
+    return True
+
+
 #: codecs whose fitted state or floating-point transform is replaced by an exact one before the
 #: pinned step
-EXACT_STATE = {"gradiveq": exact_basis, "fft": exact_spectrum}
+EXACT_STATE = {"gradiveq": exact_basis, "fft": exact_spectrum, "lgc": exact_levels}
 
 
 def one_layer() -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,10 +123,13 @@ def payload_digest(name: str, options: dict) -> str:
     grad, weight = one_layer()
     ready = EXACT_STATE.get(name, lambda codec, step: True)
     step = warm_up(codec, grad, "conv.weight", weight, ready)  # its first compressing step
+    broadcasts = []  # what a leader sends before the payload (lgc's support), on one rank a no-op
+    send = codec.context.broadcast
+    codec.context.broadcast = lambda t, src: broadcasts.append(t.clone()) or send(t, src)
     encoded, _ = round_trip(codec, grad, "conv.weight", weight, step)
     assert encoded is not None
     digest = hashlib.sha256()
-    for part in encoded.payload:
+    for part in [*broadcasts, *encoded.payload]:
         digest.update(f"{part.dtype} {tuple(part.shape)}".encode())
         digest.update(part.contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
