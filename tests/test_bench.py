@@ -1636,6 +1636,29 @@ def test_pcaquant_measures_the_quantization_choices_of_gradiveq_on_real_gradient
     assert "quant_scale" in capsys.readouterr().out
 
 
+def test_pcabasis_the_sums_own_basis_captures_the_most_of_the_sum(shared_data, tmp_path, capsys):
+    """bench pcabasis: the top k directions of the summed gradient's own slices capture at least as
+    much of it as k directions fitted on anything else (they are the optimum), and the cuts compared
+    at equal values a step send as many values."""
+    import json
+
+    from lightning_gradcomp.bench.__main__ import main
+
+    out = tmp_path / "pcabasis"
+    argv = ["pcabasis", "--task", "cifar10", "--data", str(shared_data / "cifar10-jpeg.tar.gz")]
+    assert main([*argv, "--batch-size", "8", "--warmup", "1", "--steps", "1", "--out", str(out)]) == 0
+    rows = json.loads((out / "pcabasis_cifar10_k4.json").read_text())["rows"]
+    by = {(r["basis"], r["cut"]): r for r in rows}
+    best = by[("the sum itself", "d=64")]["captured"]
+    for basis in ("leader", "every rank", "the previous sum"):
+        assert 0 < by[(basis, "d=64")]["captured"] <= best + 1e-9
+    assert 0 < best < 1
+    assert len({r["values"] for r in rows if r["cut"] != "rank r of (rows, rest)"}) == 1
+    lowrank = by[("leader", "rank r of (rows, rest)")]["values"]
+    assert abs(lowrank - rows[0]["values"]) < 0.01 * rows[0]["values"]
+    assert "energy captured" in capsys.readouterr().out
+
+
 def test_accuracy_summary_pairs_each_seed_with_none_and_spreads_the_differences():
     def row(codec, seed, metric):
         return {"task": "cifar10", "codec": codec, "seed": seed, "metric": metric, "max_epochs": 1, "status": "ok"}

@@ -1,4 +1,4 @@
-"""``python -m lightning_gradcomp.bench {link,shaped,codecs,codes,accuracy,pcaquant,tta,memory,plot} [options]``."""
+"""``python -m lightning_gradcomp.bench {link,shaped,codecs,codes,accuracy,pcaquant,pcabasis,tta,memory,plot} ...``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ COMMANDS = {
     "accuracy": "task metric against bytes sent: the recipes with a fixed budget per codec and seed",
     "codes": "what a code of lgc's shared-support values carries at equal bytes, learned or not, on real gradients",
     "pcaquant": "how much of the gradient gradiveq's coefficient quantization loses, per scale and rounding",
+    "pcabasis": "how much of the summed gradient gradiveq's basis captures, by the rank or step it is fitted on",
     "tta": "time to accuracy on a slow link: accuracy runs' steps to target x link runs' step time",
     "memory": "RSS and peak RSS per rank early and late in a long compressed run (a leak shows as growth)",
     "plot": "figures and docs/benchmarks.md tables from the JSON results",

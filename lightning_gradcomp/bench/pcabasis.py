@@ -1,0 +1,165 @@
+"""How much of the summed gradient a ``k``-dimensional slice basis captures, by where it comes from.
+
+``N`` ranks are simulated in one process on real data (the tasks of ``bench codes``): each step
+every rank computes its gradient on its own batch and the mean is applied by the task's optimizer
+(dense training). On every step after ``--warmup``, for each layer ``gradiveq`` compresses, the
+mean gradient ``m`` (cut into slices of ``d`` values, as the codec cuts it) is projected on bases
+of ``k`` directions fitted on:
+
+* ``leader``: the slices of one rank's own gradient (rank ``step % N``), the codec's default
+  ``basis_source="leader"``;
+* ``every rank``: the sum of every rank's ``d x d`` second moment, what an all-reduce of them would
+  give each rank (the union of what the ranks see);
+* ``the sum itself``: ``m``'s own slices, the best any ``k`` directions can do on this step;
+* ``the previous sum``: the previous step's mean gradient, which every rank already holds after
+  the last all-reduce, so no basis would have to travel.
+
+Then, at the leader's basis and the same number of coefficients a step, two other cuts of each
+layer: slices of ``2d`` values with ``2k`` directions, slices of ``d`` values taken across the
+output channels (the weight seen as ``(rows, rest)`` and transposed), and, for comparison with
+PowerSGD's shape, the rank-``r`` projection of the ``(rows, rest)`` matrix on the leader's ``r``
+right singular vectors, ``r`` chosen so that ``r (rows + rest)`` is as many values. Reported,
+summed over the measured steps and layers: the share of ``m``'s energy the basis captures (one
+step, without error feedback) and the values a step (coefficients or factors; the basis itself,
+``d k`` values a layer when it travels, is not counted).
+
+A basis fitted by another rank, or a step earlier, captures what the summed gradient's own does
+when the ranks' slices share their principal directions: that is the redundancy between ranks the
+summable code relies on.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.bench import paths
+from lightning_gradcomp.bench.codes import add_task_arguments, make_task
+from lightning_gradcomp.bench.results import Column, format_table, machine_info, write_json
+from lightning_gradcomp.codecs.gradiveq import _directions, _scaled_gram
+from lightning_gradcomp.registry import make_codec
+
+COLUMNS = [
+    Column("basis", "basis fitted on"),
+    Column("cut", "slices"),
+    Column("captured", "energy captured", "{:.3f}"),
+    Column("values", "values a step", "{:,}"),
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_task_arguments(p, "cifar10")
+    p.add_argument("--warmup", type=int, default=20, help="dense steps before measuring (default 20)")
+    p.add_argument("--steps", type=int, default=10, help="measured steps (default 10)")
+    p.add_argument("--num-components", type=int, default=4, help="k (gradiveq's default 4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="result directory (default docs/results/pcabasis)")
+
+
+def slices(x: Tensor, d: int) -> Tensor:
+    """The first ``S d`` values of ``x`` as ``S`` rows of ``d``, as ``gradiveq`` cuts a layer."""
+    s = x.numel() // d
+    return x.reshape(-1)[: s * d].view(s, d)
+
+
+def basis(gram: Tensor, k: int) -> Tensor:
+    return _directions(torch.linalg.eigh(gram)[1], k)
+
+
+def captured(x: Tensor, u: Tensor) -> float:
+    """``||x u||^2``: the energy of ``x``'s rows in the span of ``u``'s orthonormal columns."""
+    return (x.double() @ u.double()).pow(2).sum().item()
+
+
+def right_singular(x: Tensor, r: int) -> Tensor:
+    """The ``r`` leading right singular vectors of ``x`` (``rows x rest``, ``rows`` the smaller) as
+    columns, from ``eigh`` of ``x x^T``: ``v_j = x^T u_j / sigma_j`` (an SVD of the wide matrix
+    costs far more)."""
+    x = x.double()
+    lam, u = torch.linalg.eigh(x @ x.T)
+    lam, u = lam[-r:], u[:, -r:]
+    keep = lam > lam.max() * 1e-24  # directions of a zero singular value carry nothing
+    return (x.T @ u[:, keep]) / lam[keep].sqrt()
+
+
+def main(args: argparse.Namespace) -> int:
+    torch.manual_seed(args.seed)
+    model, batches, loss_fn, opt = make_task(args.task, args.data, args.batch_size, args.seed)
+    n, k = args.ranks, args.num_components
+    codec = make_codec("gradiveq", num_components=k)
+    d, min_numel = codec.options.slice_dim, codec.harness.min_numel
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    keys = [
+        ("leader", f"d={d}"),
+        ("every rank", f"d={d}"),
+        ("the sum itself", f"d={d}"),
+        ("the previous sum", f"d={d}"),
+        ("leader", f"d={2 * d}, 2k"),
+        ("leader", f"d={d} across output channels"),
+        ("leader", "rank r of (rows, rest)"),
+    ]
+    got = {key: 0.0 for key in keys}
+    values = {key: 0 for key in keys}
+    energy = 0.0
+    previous: dict[str, Tensor] = {}
+    for step in range(args.warmup + args.steps):
+        grads = []
+        for _ in range(n):
+            x, y = next(batches)
+            model.zero_grad()
+            loss_fn(model(x), y).backward()
+            grads.append({name: p.grad.detach().reshape(-1).clone() for name, p in model.named_parameters()})
+        mean = {name: sum(g[name] for g in grads) / n for name in grads[0]}
+        for name, p in model.named_parameters():
+            p.grad = mean[name].view_as(p)
+        opt.step()
+        if step >= args.warmup:
+            leader = grads[step % n]
+            for name, m in mean.items():
+                if m.numel() < max(min_numel, 2 * d) or name not in previous:
+                    continue
+                energy += m.double().pow(2).sum().item()
+                ms, count = slices(m, d), slices(m, d).shape[0] * k
+                fits = {
+                    ("leader", f"d={d}"): _scaled_gram(slices(leader[name], d)),
+                    ("every rank", f"d={d}"): sum(_scaled_gram(slices(g[name], d)) for g in grads),
+                    ("the sum itself", f"d={d}"): _scaled_gram(ms),
+                    ("the previous sum", f"d={d}"): _scaled_gram(slices(previous[name], d)),
+                }
+                for key, gram in fits.items():
+                    got[key] += captured(ms, basis(gram, k))
+                    values[key] += count
+                key = ("leader", f"d={2 * d}, 2k")
+                got[key] += captured(slices(m, 2 * d), basis(_scaled_gram(slices(leader[name], 2 * d)), 2 * k))
+                values[key] += slices(m, 2 * d).shape[0] * 2 * k
+                rows = shapes[name][0] if len(shapes[name]) > 1 else 1
+                across, lead_across = (t.view(rows, -1).T.contiguous() for t in (m, leader[name]))
+                key = ("leader", f"d={d} across output channels")
+                got[key] += captured(slices(across, d), basis(_scaled_gram(slices(lead_across, d)), k))
+                values[key] += slices(across, d).shape[0] * k
+                mat, lead = m.view(rows, -1), leader[name].view(rows, -1)
+                r = max(1, min(min(mat.shape), round(count / sum(mat.shape))))
+                right = right_singular(lead, r)
+                key = ("leader", "rank r of (rows, rest)")
+                got[key] += captured(mat, right)
+                values[key] += r * sum(mat.shape)
+        previous = mean
+    per_step = max(args.steps, 1)
+    rows = [
+        {"basis": b, "cut": c, "captured": got[(b, c)] / energy, "values": values[(b, c)] // per_step} for b, c in keys
+    ]
+    print(f"{args.task}, {n} ranks, k={k}, {args.steps} steps after {args.warmup} dense ones")
+    print(format_table(rows, COLUMNS))
+    path = write_json(
+        Path(args.out or paths.results_dir("pcabasis")) / f"pcabasis_{args.task}_k{k}.json",
+        {
+            "command": "python -m lightning_gradcomp.bench " + " ".join(args.argv),
+            "machine": machine_info(),
+            "rows": rows,
+        },
+    )
+    print(f"wrote {path}")
+    return 0
