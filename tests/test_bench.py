@@ -1647,7 +1647,7 @@ def test_pcabasis_the_sums_own_basis_captures_the_most_of_the_sum(shared_data, t
     out = tmp_path / "pcabasis"
     argv = ["pcabasis", "--task", "cifar10", "--data", str(shared_data / "cifar10-jpeg.tar.gz")]
     assert main([*argv, "--batch-size", "8", "--warmup", "1", "--steps", "1", "--out", str(out)]) == 0
-    rows = json.loads((out / "pcabasis_cifar10_k4.json").read_text())["rows"]
+    rows = json.loads((out / "pcabasis_cifar10_d64_k4.json").read_text())["rows"]
     by = {(r["basis"], r["cut"]): r for r in rows}
     best = by[("the sum itself", "d=64")]["captured"]
     for basis in ("leader", "every rank", "the previous sum"):

@@ -20,8 +20,11 @@ output channels (the weight seen as ``(rows, rest)`` and transposed), and, for c
 PowerSGD's shape, the rank-``r`` projection of the ``(rows, rest)`` matrix on the leader's ``r``
 right singular vectors, ``r`` chosen so that ``r (rows + rest)`` is as many values. Reported,
 summed over the measured steps and layers: the share of ``m``'s energy the basis captures (one
-step, without error feedback) and the values a step (coefficients or factors; the basis itself,
-``d k`` values a layer when it travels, is not counted).
+step, without error feedback), the values a step (coefficients or factors) and, apart, the values
+that must travel for every rank to hold the basis (the leader's ``d k`` a layer; the upper
+triangle of the ``d x d`` second moment a layer, all-reduced, for every rank's; none for the
+previous sum, which every rank holds; the sum's own is an optimum that no rank can fit before
+sending).
 
 A basis fitted by another rank, or a step earlier, captures what the summed gradient's own does
 when the ranks' slices share their principal directions: that is the redundancy between ranks the
@@ -47,6 +50,7 @@ COLUMNS = [
     Column("cut", "slices"),
     Column("captured", "energy captured", "{:.3f}"),
     Column("values", "values a step", "{:,}"),
+    Column("basis_values", "basis values a step", "{:,}"),
 ]
 
 
@@ -55,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=20, help="dense steps before measuring (default 20)")
     p.add_argument("--steps", type=int, default=10, help="measured steps (default 10)")
     p.add_argument("--num-components", type=int, default=4, help="k (gradiveq's default 4)")
+    p.add_argument("--slice-dim", type=int, default=64, help="d (gradiveq's default 64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="result directory (default docs/results/pcabasis)")
 
@@ -89,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     model, batches, loss_fn, opt = make_task(args.task, args.data, args.batch_size, args.seed)
     n, k = args.ranks, args.num_components
-    codec = make_codec("gradiveq", num_components=k)
+    codec = make_codec("gradiveq", num_components=k, slice_dim=args.slice_dim)
     d, min_numel = codec.options.slice_dim, codec.harness.min_numel
     shapes = {name: p.shape for name, p in model.named_parameters()}
     keys = [
@@ -101,8 +106,21 @@ def main(args: argparse.Namespace) -> int:
         ("leader", f"d={d} across output channels"),
         ("leader", "rank r of (rows, rest)"),
     ]
+    # what must travel a layer besides the values for every rank to hold the basis: the leader's
+    # directions; the upper triangle of every rank's d x d second moment, all-reduced; nothing for
+    # the previous sum (every rank holds it); the sum's own basis no rank can fit before sending
+    basis_cost = {
+        ("leader", f"d={d}"): d * k,
+        ("every rank", f"d={d}"): d * (d + 1) // 2,
+        ("the sum itself", f"d={d}"): None,
+        ("the previous sum", f"d={d}"): 0,
+        ("leader", f"d={2 * d}, 2k"): 4 * d * k,
+        ("leader", f"d={d} across output channels"): d * k,
+        ("leader", "rank r of (rows, rest)"): 0,
+    }
     got = {key: 0.0 for key in keys}
     values = {key: 0 for key in keys}
+    layers = 0
     energy = 0.0
     previous: dict[str, Tensor] = {}
     for step in range(args.warmup + args.steps):
@@ -122,6 +140,7 @@ def main(args: argparse.Namespace) -> int:
                 if m.numel() < max(min_numel, 2 * d) or name not in previous:
                     continue
                 energy += m.double().pow(2).sum().item()
+                layers += 1
                 ms, count = slices(m, d), slices(m, d).shape[0] * k
                 fits = {
                     ("leader", f"d={d}"): _scaled_gram(slices(leader[name], d)),
@@ -148,13 +167,21 @@ def main(args: argparse.Namespace) -> int:
                 values[key] += r * sum(mat.shape)
         previous = mean
     per_step = max(args.steps, 1)
+    per_layer = layers // per_step
     rows = [
-        {"basis": b, "cut": c, "captured": got[(b, c)] / energy, "values": values[(b, c)] // per_step} for b, c in keys
+        {
+            "basis": b,
+            "cut": c,
+            "captured": got[(b, c)] / energy,
+            "values": values[(b, c)] // per_step,
+            "basis_values": None if basis_cost[(b, c)] is None else basis_cost[(b, c)] * per_layer,
+        }
+        for b, c in keys
     ]
-    print(f"{args.task}, {n} ranks, k={k}, {args.steps} steps after {args.warmup} dense ones")
+    print(f"{args.task}, {n} ranks, d={d}, k={k}, {args.steps} steps after {args.warmup} dense ones")
     print(format_table(rows, COLUMNS))
     path = write_json(
-        Path(args.out or paths.results_dir("pcabasis")) / f"pcabasis_{args.task}_k{k}.json",
+        Path(args.out or paths.results_dir("pcabasis")) / f"pcabasis_{args.task}_d{d}_k{k}.json",
         {
             "command": "python -m lightning_gradcomp.bench " + " ".join(args.argv),
             "machine": machine_info(),
