@@ -139,6 +139,18 @@ def make_task(
     return (_cifar_task if task == "cifar10" else _camvid_task)(data, batch, seed)
 
 
+def rank_gradients(model: nn.Module, batches: Iterator, loss_fn: Callable, ranks: int) -> list[dict[str, Tensor]]:
+    """One step of ``ranks`` simulated ranks: each one's flat gradient of every trainable
+    parameter, on its own next batch (the model's ``.grad`` holds the last rank's afterwards)."""
+    grads = []
+    for _ in range(ranks):
+        x, y = next(batches)
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        grads.append({n: p.grad.detach().flatten().clone() for n, p in model.named_parameters() if p.requires_grad})
+    return grads
+
+
 def capture(
     task: str,
     data: str | None,
@@ -170,12 +182,7 @@ def capture(
     t0 = time.perf_counter()
     model.train()
     for step in range(warmup + collect):
-        grads = []
-        for _ in range(ranks):
-            x, y = next(batches)
-            model.zero_grad(set_to_none=True)
-            loss_fn(model(x), y).backward()
-            grads.append({n: p.grad.detach().flatten().clone() for n, p in named})
+        grads = rank_gradients(model, batches, loss_fn, ranks)
         kept: dict[str, Tensor] = {}
         supports: dict[str, Tensor] = {}
         leader = step % ranks

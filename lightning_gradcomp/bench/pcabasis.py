@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.bench import paths
-from lightning_gradcomp.bench.codes import add_task_arguments, make_task
+from lightning_gradcomp.bench.codes import add_task_arguments, make_task, rank_gradients
 from lightning_gradcomp.bench.results import Column, format_table, machine_info, write_json
 from lightning_gradcomp.codecs.gradiveq import _directions, _scaled_gram
 from lightning_gradcomp.registry import make_codec
@@ -124,12 +124,7 @@ def main(args: argparse.Namespace) -> int:
     energy = 0.0
     previous: dict[str, Tensor] = {}
     for step in range(args.warmup + args.steps):
-        grads = []
-        for _ in range(n):
-            x, y = next(batches)
-            model.zero_grad()
-            loss_fn(model(x), y).backward()
-            grads.append({name: p.grad.detach().reshape(-1).clone() for name, p in model.named_parameters()})
+        grads = rank_gradients(model, batches, loss_fn, n)
         mean = {name: sum(g[name] for g in grads) / n for name in grads[0]}
         for name, p in model.named_parameters():
             p.grad = mean[name].view_as(p)
