@@ -1657,6 +1657,8 @@ def test_pcabasis_the_sums_own_basis_captures_the_most_of_the_sum(shared_data, t
     lowrank = by[("leader", "rank r of (rows, rest)")]["values"]
     assert abs(lowrank - rows[0]["values"]) < 0.01 * rows[0]["values"]
     assert "energy captured" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--warmup and --steps must be >= 1"):
+        main([*argv, "--warmup", "0", "--out", str(out)])
 
 
 def test_accuracy_summary_pairs_each_seed_with_none_and_spreads_the_differences():

@@ -40,13 +40,13 @@ PINNED = {
     "qsgd": ({}, (2, "9265103d51807955")),
     "iwp": ({"keep_fraction": 0.05}, (1, "a69016d8e9036da1")),
     "rangefloat": ({}, (1, "2aef6ec6a05ff0e2")),
-    # 288 values in slices of 7: 41 slices, 3 coefficients each, a tail of one value
     # blocks of 64: 5 blocks (the last half padding), 4 of 33 coefficients kept in each, block-local
     # positions in 6 bits, the values in the range-based float's 8 bits
     "fft": ({"block_size": 64}, (1, "7b394f1d513a3dcf")),
     # stage 3 from step 7; a support of 72 of the 288 values (above the learned code's least), each
     # value in 2 bits: the leader's message (the run-time guard's flag, the positions) and the codes
     "lgc": ({"warmup_steps": 3, "ae_train_steps": 4, "ratio": 0.25}, (1, "84938a9fde7442d2")),
+    # 288 values in slices of 7: 41 slices, 3 coefficients each, a tail of one value
     "gradiveq": (
         {"basis_source": "aggregate", "slice_dim": 7, "num_components": 3, "min_numel": 0, "warmup_steps": 2},
         (1, "ce5d822d72167aa9"),
@@ -92,8 +92,8 @@ def exact_spectrum(codec, step: int) -> bool:
 def exact_levels(codec, step: int) -> bool:
     """Once ``lgc`` is in stage 3, replace each layer's fitted magnitude levels by dyadic ones (the
     leader's row and the other ranks' apart, so which row is used is pinned too): with values
-    ``k/16`` their RMS, the relative magnitudes and the nearest level are then exact IEEE results
-    on any machine."""
+    ``k/16`` the sum of squares is exact in any order, and the RMS, the relative magnitudes and the
+    nearest level are single correctly rounded IEEE operations, the same on any machine."""
     if codec.stage(step) != 3:
         return False
     for key, table in codec._levels.items():

@@ -91,6 +91,9 @@ def right_singular(x: Tensor, r: int) -> Tensor:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.warmup < 1 or args.steps < 1:
+        # the previous step's sum is one of the bases: the first measured step needs one before it
+        raise SystemExit(f"--warmup and --steps must be >= 1, got {args.warmup} and {args.steps}")
     torch.manual_seed(args.seed)
     model, batches, loss_fn, opt = make_task(args.task, args.data, args.batch_size, args.seed)
     n, k = args.ranks, args.num_components
@@ -161,7 +164,7 @@ def main(args: argparse.Namespace) -> int:
                 got[key] += captured(mat, right)
                 values[key] += r * sum(mat.shape)
         previous = mean
-    per_step = max(args.steps, 1)
+    per_step = args.steps
     per_layer = layers // per_step
     rows = [
         {
