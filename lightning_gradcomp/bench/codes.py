@@ -151,6 +151,17 @@ def rank_gradients(model: nn.Module, batches: Iterator, loss_fn: Callable, ranks
     return grads
 
 
+def step_on_mean(model: nn.Module, opt: torch.optim.Optimizer, grads: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Dense training: set every parameter's ``.grad`` to the ranks' mean gradient and step the
+    optimizer; returns the mean, flat, by parameter name."""
+    mean = {name: sum(g[name] for g in grads) / len(grads) for name in grads[0]}
+    for name, p in model.named_parameters():
+        if name in mean:
+            p.grad = mean[name].view_as(p)
+    opt.step()
+    return mean
+
+
 def capture(
     task: str,
     data: str | None,

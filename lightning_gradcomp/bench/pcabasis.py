@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.bench import paths
-from lightning_gradcomp.bench.codes import add_task_arguments, make_task, rank_gradients
+from lightning_gradcomp.bench.codes import add_task_arguments, make_task, rank_gradients, step_on_mean
 from lightning_gradcomp.bench.results import Column, format_table, machine_info, write_json
 from lightning_gradcomp.codecs.gradiveq import _directions, _scaled_gram
 from lightning_gradcomp.registry import make_codec
@@ -100,18 +100,10 @@ def main(args: argparse.Namespace) -> int:
     codec = make_codec("gradiveq", num_components=k, slice_dim=args.slice_dim)
     d, min_numel = codec.options.slice_dim, codec.harness.min_numel
     shapes = {name: p.shape for name, p in model.named_parameters()}
-    keys = [
-        ("leader", f"d={d}"),
-        ("every rank", f"d={d}"),
-        ("the sum itself", f"d={d}"),
-        ("the previous sum", f"d={d}"),
-        ("leader", f"d={2 * d}, 2k"),
-        ("leader", f"d={d} across output channels"),
-        ("leader", "rank r of (rows, rest)"),
-    ]
-    # what must travel a layer besides the values for every rank to hold the basis: the leader's
-    # directions; the upper triangle of every rank's d x d second moment, all-reduced; nothing for
-    # the previous sum (every rank holds it); the sum's own basis no rank can fit before sending
+    # each row, and what must travel a layer besides the values for every rank to hold its basis:
+    # the leader's directions; the upper triangle of every rank's d x d second moment, all-reduced;
+    # nothing for the previous sum (every rank holds it); the sum's own basis no rank can fit
+    # before sending
     basis_cost = {
         ("leader", f"d={d}"): d * k,
         ("every rank", f"d={d}"): d * (d + 1) // 2,
@@ -121,17 +113,20 @@ def main(args: argparse.Namespace) -> int:
         ("leader", f"d={d} across output channels"): d * k,
         ("leader", "rank r of (rows, rest)"): 0,
     }
-    got = {key: 0.0 for key in keys}
-    values = {key: 0 for key in keys}
+    got = dict.fromkeys(basis_cost, 0.0)
+    values = dict.fromkeys(basis_cost, 0)
+
+    def add(key: tuple[str, str], target: Tensor, fitted_on: Tensor, directions: int) -> None:
+        """Project ``target``'s slices on the top ``directions`` of ``fitted_on``'s (same width)."""
+        got[key] += captured(target, basis(_scaled_gram(fitted_on), directions))
+        values[key] += target.shape[0] * directions
+
     layers = 0
     energy = 0.0
     previous: dict[str, Tensor] = {}
     for step in range(args.warmup + args.steps):
         grads = rank_gradients(model, batches, loss_fn, n)
-        mean = {name: sum(g[name] for g in grads) / n for name in grads[0]}
-        for name, p in model.named_parameters():
-            p.grad = mean[name].view_as(p)
-        opt.step()
+        mean = step_on_mean(model, opt, grads)
         if step >= args.warmup:
             leader = grads[step % n]
             for name, m in mean.items():
@@ -139,29 +134,20 @@ def main(args: argparse.Namespace) -> int:
                     continue
                 energy += m.double().pow(2).sum().item()
                 layers += 1
-                ms, count = slices(m, d), slices(m, d).shape[0] * k
-                fits = {
-                    ("leader", f"d={d}"): _scaled_gram(slices(leader[name], d)),
-                    ("every rank", f"d={d}"): sum(_scaled_gram(slices(g[name], d)) for g in grads),
-                    ("the sum itself", f"d={d}"): _scaled_gram(ms),
-                    ("the previous sum", f"d={d}"): _scaled_gram(slices(previous[name], d)),
-                }
-                for key, gram in fits.items():
-                    got[key] += captured(ms, basis(gram, k))
-                    values[key] += count
-                key = ("leader", f"d={2 * d}, 2k")
-                got[key] += captured(slices(m, 2 * d), basis(_scaled_gram(slices(leader[name], 2 * d)), 2 * k))
-                values[key] += slices(m, 2 * d).shape[0] * 2 * k
+                ms = slices(m, d)
+                add(("leader", f"d={d}"), ms, slices(leader[name], d), k)
+                # the rows of every rank's slices together: the sum of their second moments
+                add(("every rank", f"d={d}"), ms, torch.cat([slices(g[name], d) for g in grads]), k)
+                add(("the sum itself", f"d={d}"), ms, ms, k)
+                add(("the previous sum", f"d={d}"), ms, slices(previous[name], d), k)
+                add(("leader", f"d={2 * d}, 2k"), slices(m, 2 * d), slices(leader[name], 2 * d), 2 * k)
                 rows = shapes[name][0] if len(shapes[name]) > 1 else 1
                 across, lead_across = (t.view(rows, -1).T.contiguous() for t in (m, leader[name]))
-                key = ("leader", f"d={d} across output channels")
-                got[key] += captured(slices(across, d), basis(_scaled_gram(slices(lead_across, d)), k))
-                values[key] += slices(across, d).shape[0] * k
-                mat, lead = m.view(rows, -1), leader[name].view(rows, -1)
-                r = max(1, min(min(mat.shape), round(count / sum(mat.shape))))
-                right = right_singular(lead, r)
+                add(("leader", f"d={d} across output channels"), slices(across, d), slices(lead_across, d), k)
+                mat = m.view(rows, -1)
+                r = max(1, min(min(mat.shape), round(ms.shape[0] * k / sum(mat.shape))))
                 key = ("leader", "rank r of (rows, rest)")
-                got[key] += captured(mat, right)
+                got[key] += captured(mat, right_singular(leader[name].view(rows, -1), r))
                 values[key] += r * sum(mat.shape)
         previous = mean
     per_step = args.steps
@@ -174,7 +160,7 @@ def main(args: argparse.Namespace) -> int:
             "values": values[(b, c)] // per_step,
             "basis_values": None if basis_cost[(b, c)] is None else basis_cost[(b, c)] * per_layer,
         }
-        for b, c in keys
+        for b, c in basis_cost
     ]
     print(f"{args.task}, {n} ranks, d={d}, k={k}, {args.steps} steps after {args.warmup} dense ones")
     print(format_table(rows, COLUMNS))

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from lightning_gradcomp.bench import paths
-from lightning_gradcomp.bench.codes import add_task_arguments, make_task, rank_gradients
+from lightning_gradcomp.bench.codes import add_task_arguments, make_task, rank_gradients, step_on_mean
 from lightning_gradcomp.bench.results import Column, format_table, machine_info, write_json
 from lightning_gradcomp.codecs.base import CodecContext
 from lightning_gradcomp.codecs.gradiveq import QUANT_ROUNDINGS, QUANT_SCALES, _directions, _scaled_gram
@@ -72,9 +72,7 @@ def main(args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     for step in range(args.warmup + args.steps):
         grads = rank_gradients(model, batches, loss_fn, n)
-        for name, p in model.named_parameters():
-            p.grad = (sum(g[name] for g in grads) / n).view_as(p)
-        opt.step()
+        step_on_mean(model, opt, grads)
         if step < args.warmup:
             continue
         leader = step % n
