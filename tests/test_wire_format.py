@@ -75,7 +75,8 @@ def exact_spectrum(codec, step: int) -> bool:
     coefficients tie at the edge of any block's kept set, so that the selection is the same on
     every machine."""
     size = codec.options.block_size
-    kept = codec.layout(288)[2] // codec.layout(288)[0]
+    blocks, _, kept_in_all, _ = codec.layout(288)
+    kept = kept_in_all // blocks
 
     def spectrum(x: torch.Tensor, nb: int) -> torch.Tensor:
         blocks = torch.nn.functional.pad(x, (0, nb * size - x.numel())).view(nb, size)
