@@ -255,20 +255,21 @@ def _shared_scale(codec: GradiVeQCodec, xs: list[torch.Tensor]) -> torch.Tensor:
     ("world", "quant_levels", "bits", "fields"),
     # a field holds the sum over the ranks, 2*N*s + 1 values: three levels pack six a word with two
     # ranks where seven pack four, the same four with four ranks, and four against three with eight
-    [(2, 7, 5, 4), (2, 3, 4, 6), (4, 7, 6, 4), (4, 3, 5, 4), (8, 7, 7, 3), (8, 3, 6, 4)],
+    [(2, 7, 5, 12), (2, 3, 4, 15), (4, 7, 6, 10), (4, 3, 5, 12), (8, 7, 7, 9), (8, 3, 6, 10)],
 )
 def test_field_width_follows_the_levels_and_the_world_size(world, quant_levels, bits, fields):
     codec = make_codec("gradiveq", quant_levels=quant_levels, quant_fill=False)
     codec.setup(CodecContext(0, world, torch.device("cpu")))
     assert codec._field_bits() == (bits, fields)
-    # the payload of a layer of 64 slices of d=64 at k=4: ceil(256 / F) words and the scale
-    assert codec.payload_numel(64 * 64) == -(-64 * 4 // fields) + 1
+    # the payload of a layer of 64 slices of d=64 at k=4: ceil(256 / F) int64 words and the fp32
+    # scale, and a tail of 5 values in fp32
+    assert codec.payload_nbytes(64 * 64 + 5) == 8 * -(-64 * 4 // fields) + 4 + 4 * 5
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8, 16, 64])
 def test_filled_levels_are_the_most_that_pack_as_many_fields_a_word(world):
     def fields(levels: int) -> int:
-        return 24 // math.ceil(math.log2(2 * world * levels + 1))
+        return 63 // math.ceil(math.log2(2 * world * levels + 1))
 
     for levels in range(1, 600):
         filled = GradiVeQCodec.fill_levels(levels, world)
@@ -282,16 +283,16 @@ def test_filled_levels_are_the_most_that_pack_as_many_fields_a_word(world):
         codec.setup(CodecContext(0, world, torch.device("cpu")))
     assert (filled.levels, plain.levels) == (GradiVeQCodec.fill_levels(7, world), 7)
     assert filled._field_bits()[1] == plain._field_bits()[1]
-    assert filled.payload_numel(64 * 64 + 5) == plain.payload_numel(64 * 64 + 5)
+    assert filled.payload_nbytes(64 * 64 + 5) == plain.payload_nbytes(64 * 64 + 5)
 
 
 @pytest.mark.parametrize("quant_scale", ["component", "layer"])
 @pytest.mark.parametrize("quant_rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize(
     ("world", "quant_levels", "quant_fill", "bits", "fields"),
-    # filled, seven levels become fifteen: with two ranks 6-bit fields, still four a word; with
-    # eight, 8-bit fields, still three a word (seven levels unfilled: 7 bits)
-    [(2, 7, False, 5, 4), (2, 3, False, 4, 6), (2, 7, True, 6, 4), (8, 7, False, 7, 3), (8, 7, True, 8, 3)],
+    # filled, fifteen levels become 31 with eight ranks: 9-bit fields where fifteen's are 8, still
+    # seven a word; seven levels already fill their fields with two ranks and with eight
+    [(2, 7, False, 5, 12), (2, 3, False, 4, 15), (2, 7, True, 5, 12), (8, 7, False, 7, 9), (8, 15, True, 9, 7)],
 )
 def test_packed_quantized_levels_sum_exactly(
     quant_scale, quant_rounding, world, quant_levels, quant_fill, bits, fields
@@ -316,23 +317,25 @@ def test_packed_quantized_levels_sum_exactly(
         codec.context = CodecContext(r, world, torch.device("cpu"))
         encs.append(codec.encode(v, "w", None, 10, prepared=_SharedScale(scale)))
     b, f = codec._field_bits()
-    assert (b, f) == (bits, fields)  # levels sum to [0, 2Ns]: s=7, N=2: 5 bits, 4 a word; s=3: 4 bits, 6 a word
-    assert codec.levels == (15 if quant_fill else quant_levels)
-    assert encs[0].payload[0].numel() == -(-200 * 3 // f) + scale.numel()
-    assert codec.payload_numel(xs[0].numel()) == sum(p.numel() for p in encs[0].payload)
-    summed = [sum(enc.payload[i] for enc in encs) for i in range(2)]
+    assert (b, f) == (bits, fields)  # levels sum to [0, 2Ns]: s=7, N=2: 5 bits, 12 a word; s=3: 4 bits, 15
+    assert codec.levels == GradiVeQCodec.fill_levels(quant_levels, world) if quant_fill else quant_levels
+    words, scales, tail = encs[0].payload
+    assert words.dtype == torch.int64 and words.numel() == -(-200 * 3 // f)
+    assert scales.dtype == torch.float32 and scales.numel() == scale.numel()
+    assert codec.payload_nbytes(xs[0].numel()) == sum(p.numel() * p.element_size() for p in encs[0].payload)
+    summed = [sum(enc.payload[i] for enc in encs) for i in range(3)]
     total = codec.decode(summed, encs[0].ctx, xs[0].numel(), world)
     n = xs[0].numel()
     torch.testing.assert_close(
         total, sum(local_reconstruction(codec, enc, n) for enc in encs), atol=1e-5 * world, rtol=0
     )
     if world > 2:  # the top level's sum decoded whole: N times the scale
-        top = codec._dequantize(summed[0], 200 * 3, world, 3).abs().max()
+        top = codec._dequantize(summed[0], summed[1], 200 * 3, world).abs().max()
         torch.testing.assert_close(top, world * scale.max(), atol=0, rtol=1e-6)
     # every decoded coefficient lies within one level step of its own component's scale (half a
     # step when rounded to the nearest)
     exact = codec._coefficients(xs[0], "w")
-    got = codec._dequantize(encs[0].payload[0], exact.numel(), 1, 3).view_as(exact)
+    got = codec._dequantize(*encs[0].payload[:2], exact.numel(), 1).view_as(exact)
     step = scale / codec.levels
     bound = step / 2 if quant_rounding == "nearest" else step
     assert ((got - exact).abs() <= bound * (1 + 1e-5)).all()
@@ -345,14 +348,14 @@ def test_stochastic_levels_are_unbiased_and_nearest_levels_have_the_smaller_erro
     exact = codec._coefficients(x, "w").reshape(-1)
     draws = []
     for step in range(200):
-        coef = codec.encode(x, "w", None, step, prepared=_SharedScale(scale)).payload[0]
-        draws.append(codec._dequantize(coef, exact.numel(), 1, 3))
+        words, scales, _ = codec.encode(x, "w", None, step, prepared=_SharedScale(scale)).payload
+        draws.append(codec._dequantize(words, scales, exact.numel(), 1))
     err_mean = (torch.stack(draws).mean(0) - exact).abs().max()
     err_one = (draws[0] - exact).abs().max()
     assert err_mean < err_one / 5
     nearest, _ = fitted_codec(world=1, n=8 * 200, quant_levels=7, quant_rounding="nearest")
     got = nearest._dequantize(
-        nearest.encode(x, "w", None, 0, prepared=_SharedScale(scale)).payload[0], exact.numel(), 1, 3
+        *nearest.encode(x, "w", None, 0, prepared=_SharedScale(scale)).payload[:2], exact.numel(), 1
     )
     assert (got - exact).norm() < (draws[0] - exact).norm()
 
@@ -367,7 +370,7 @@ def test_a_scale_per_component_quantizes_the_weaker_components_finer():
         exact = codec._coefficients(x, "w")
         scale = _shared_scale(codec, [x])
         got = codec._dequantize(
-            codec.encode(x, "w", None, 0, prepared=_SharedScale(scale)).payload[0], exact.numel(), 1, 3
+            *codec.encode(x, "w", None, 0, prepared=_SharedScale(scale)).payload[:2], exact.numel(), 1
         )
         errors.append((got.view_as(exact) - exact).norm())
     assert errors[1] < errors[0]
@@ -470,7 +473,7 @@ def ddp_run(rank: int, world: int, steps: int, **opts):
         compressing=[state.compressing(s) for s in range(steps)],
         state_dict=codec.state_dict(),
         numels={n: p.numel() for n, p in model.named_parameters()},
-        payload_numel={n: codec.payload_numel(p.numel()) for n, p in model.named_parameters() if p.numel() >= 1000},
+        payload_nbytes={n: codec.payload_nbytes(p.numel()) for n, p in model.named_parameters() if p.numel() >= 1000},
     )
     return out
 
@@ -481,7 +484,9 @@ def gloo_worker(rank: int, world: int) -> bytes:
         "k4": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=0),
         "kd": ddp_run(rank, world, steps, slice_dim=8, num_components=8, center=True, quant_levels=0),
         "q": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=7, quant_fill=False),
-        "qfill": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=7, quant_fill=True),
+        # 50 levels, filled: 127 in the same 8-bit fields, seven to a word with two ranks
+        "q50": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=50, quant_fill=False),
+        "qfill": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=50, quant_fill=True),
         "mismatch": _mismatch(rank, world),
     }
     # bytes, not tensors: tensors in a multiprocessing queue live in the sender's shared memory,
@@ -493,7 +498,7 @@ def gloo_worker(rank: int, world: int) -> bytes:
 
 def test_two_ranks_sum_codes_in_the_all_reduce():
     r0, r1 = (torch.load(io.BytesIO(r), weights_only=True) for r in run_gloo(gloo_worker, 2))
-    for name in ("k4", "kd", "q", "qfill"):
+    for name in ("k4", "kd", "q", "q50", "qfill"):
         a, b = r0[name], r1[name]
         # (2) the bases are identical on both ranks, bit for bit
         assert a["digest"] == b["digest"], name
@@ -520,16 +525,18 @@ def test_two_ranks_sum_codes_in_the_all_reduce():
         numels = res["numels"]
         dense = sum(v for v in numels.values() if v < 1000)
         raw = 4 * (sum(numels.values()) + 1)  # one bucket, one flag
-        expect = 4 * (sum(res["payload_numel"].values()) + dense + 1)
+        expect = sum(res["payload_nbytes"].values()) + 4 * (dense + 1)
         assert res["payload"][:WARMUP] == [raw] * WARMUP
         # q: + the all-reduce(MAX) of the shared scales, one per layer (2)
         assert res["payload"][WARMUP:] == [expect + (4 * 2 if name == "q" else 0)] * 2
         if ratio:  # slices of 8 sent as 2 coefficients, each weight's tail of 4 raw, small layers raw
             assert expect == 4 * ((3300 // 8) * 2 + 4 + (1100 // 8) * 2 + 4 + dense + 1)
-    assert r0["q"]["payload"][-1] < r0["k4"]["payload"][-1] / 3  # 7 levels: 4 codes in a word
+    # the weights' payloads: 7 levels send 12 coefficients in 8 bytes, where fp32 takes 48
+    q_bytes, k4_bytes = (sum(r0[name]["payload_nbytes"].values()) for name in ("q", "k4"))
+    assert q_bytes < k4_bytes / 5
     # filled to fifteen levels, the same bytes on every step, and the levels did change the sums
-    assert r0["qfill"]["payload"] == r0["q"]["payload"]
-    assert not torch.equal(r0["qfill"]["got"]["0.weight"], r0["q"]["got"]["0.weight"])
+    assert r0["qfill"]["payload"] == r0["q50"]["payload"]
+    assert not torch.equal(r0["qfill"]["got"]["0.weight"], r0["q50"]["got"]["0.weight"])
     # (4) the state dict restores the basis
     fresh = make_codec("gradiveq", basis_source="aggregate", slice_dim=8, num_components=8, center=True, quant_levels=0)
     fresh.load_state_dict(r0["kd"]["state_dict"])

@@ -16,10 +16,12 @@ No rank decodes before communicating and nobody gathers anybody's payload: the b
 are ``k/d`` of the raw gradient (plus the tail, see below).
 
 What is summed on the wire, per compressed layer (one fp32 all-reduce per DDP bucket, together
-with the small layers the codec does not compress and the hook's non-finite flag):
+with the small layers the codec does not compress and the hook's non-finite flag, and with
+quantization one int64 all-reduce of the bucket's packed levels beside it):
 
 * ``coef``: the ``S * k`` coefficients ``c`` in fp32 (``quant_levels=0``), or, with
-  ``quant_levels = s > 0``, QSGD-style integer levels packed into fp32 words (below);
+  ``quant_levels = s > 0``, QSGD-style integer levels packed into int64 words, and the layer's
+  shared scales in fp32 (below);
 * ``tail``: the last ``M - S d`` values of the layer, raw fp32 (fewer than ``d`` values).
 
 Quantization of ``c`` (``quant_levels = s``). Every rank scales layer ``l`` by the same number
@@ -36,13 +38,15 @@ ended ResNet-18's one-epoch run 4.3 points lower (both seeds) and PSPNet's run o
 higher (docs/codecs/gradiveq.md): one step's error is not what training pays for, so the
 defaults stay unbiased.
 
-The offset levels ``q + s`` in ``[0, 2s]`` are packed ``F`` to an fp32 word, in fields of
-``b = ceil(log2(2 N s + 1))`` bits, ``F = floor(24 / b)``: the word ``sum_f (q_f + s) 2^{b f}`` is an
-integer below ``2^24``, exact in fp32. Summing words adds the fields without carries (a field's
-sum is at most ``2 N s`` and fits ``b`` bits), and every partial sum of the ring is an integer
-below ``2^24``, so the fp32 all-reduce returns the exact packed sums of the levels; decode unpacks
-``sum_i q_i = field - N s`` and multiplies by ``a / s``. With two ranks: ``s = 1`` costs 0.5 byte
-a coefficient, ``s = 3`` 0.67, ``s = 7`` or ``15`` 1 byte, ``s = 127`` 2 bytes.
+The offset levels ``q + s`` in ``[0, 2s]`` are packed ``F`` to an int64 word, in fields of
+``b = ceil(log2(2 N s + 1))`` bits, ``F = floor(63 / b)``: the word ``sum_f (q_f + s) 2^{b f}`` is a
+non-negative integer below ``2^63``. Summing words adds the fields without carries (a field's sum
+is at most ``2 N s`` and fits ``b`` bits), and every partial sum of the ring stays below ``2^63``,
+so the integer all-reduce returns the exact packed sums of the levels; decode unpacks
+``sum_i q_i = field - N s`` and multiplies by ``a / s``. With two ranks: ``s = 1`` costs 0.38 byte
+a coefficient, ``s = 3`` 0.53, ``s = 7`` 0.67, ``s = 15`` 0.8, ``s = 127`` 1.14 bytes. (Until this
+version the words were fp32, exact only below ``2^24``: four 5-bit fields a word, 1 byte a
+coefficient at ``s = 7``. The decoded sums are the same to the bit; only the bytes differ.)
 
 Learning ``U`` and ``mu`` (identical on every rank). During the warm-up (``warmup_steps``) and
 each refresh window (``refresh_window`` steps every ``refresh_every`` compressed steps) the hook
@@ -120,7 +124,8 @@ BASIS_SOURCES = ("leader", "aggregate")
 QUANT_SCALES = ("component", "layer")
 QUANT_ROUNDINGS = ("nearest", "stochastic")
 _SHARED = "__shared__"
-_EXACT_BITS = 24  # fp32 holds every integer below 2**24 exactly
+_EXACT_BITS = 24  # fp32 holds every integer below 2**24 exactly: the decoded level sums
+_WORD_BITS = 63  # bits of an int64 word whose sums stay exact and non-negative (below 2**63)
 WARMUP_CAP = 100  # a warm-up given as a fraction of the run is at most this many steps
 LIGHT_COMPONENTS_FACTOR = 4  # components at compression level 0, as a multiple of the configured k
 
@@ -203,9 +208,9 @@ def _directions(vecs: Tensor, k: int) -> Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _field_powers(b: int, f: int, device: torch.device) -> Tensor:
-    """``2^(b i)`` for ``i < f`` in fp32 on ``device``, made once (a copy to a GPU waits)."""
-    return torch.tensor([float(1 << (b * i)) for i in range(f)], dtype=torch.float32).to(device)
+def _field_shifts(b: int, f: int, device: torch.device) -> Tensor:
+    """``b i`` for ``i < f`` in int64 on ``device``, made once (a copy to a GPU waits)."""
+    return (torch.arange(f, dtype=torch.int64) * b).to(device)
 
 
 @dataclass(frozen=True)
@@ -302,17 +307,17 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
         center: fit on centred samples and transmit ``U^T (g - mu)`` (default False: the paper
             describes plain projection; with ``mu = 0`` the map is linear rather than affine).
         quant_levels: s, 0 for fp32 coefficients, else integer levels ``[-s, s]`` with shared
-            scales, packed summably into fp32 words (see the module docstring);
+            scales, packed summably into int64 words (see the module docstring);
             ``2 * world_size * s + 1 <= 2**24``. Default 7 (QSGD's 4-bit setting; the paper
-            stacks GradiVeQ with QSGD, the value is ours): with ``d=64, k=4`` about 60x fewer
+            stacks GradiVeQ with QSGD, the value is ours): with ``d=64, k=4`` about 95x fewer
             bytes than fp32 for two ranks. Beside an Adam-like optimizer ``CompressedDDPStrategy``
             sets 31 when the user did not set it (:attr:`adaptive_optimizer_defaults`).
         quant_fill: raise ``s`` to the most levels whose sums pack as many fields into a word as
             ``s``'s do for this world size (:meth:`fill_levels`): finer levels at the same bytes
-            (two ranks: 15 for 7, 63 for 31; four ranks: 7 stays 7). Default False: on ResNet-18
-            with two ranks 15 levels ended 0.32 point below 7 over six seeds (standard error
-            0.50), so the finer step at no cost in bytes did not buy accuracy
-            (docs/benchmarks.md, "Fifteen levels at the bytes of seven").
+            (in 63-bit words 3, 7, 15 and 31 already fill their fields for two ranks, 50 becomes
+            127). Default False: on ResNet-18 with two ranks 15 levels ended 0.32 point below 7
+            over six seeds (standard error 0.50), when the words were fp32 and 15 levels cost what
+            7 did (docs/benchmarks.md, "Fifteen levels at the bytes of seven").
         quant_scale: ``"layer"`` (default): one shared scale per layer; ``"component"``: one per
             principal component of a layer (measured, not adopted: see the module docstring).
         quant_rounding: ``"stochastic"`` (default; QSGD's unbiased rounding) or ``"nearest"``
@@ -589,15 +594,16 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
     @staticmethod
     def fill_levels(levels: int, world_size: int) -> int:
         """The most levels ``s' >= levels`` whose sums over ``world_size`` ranks pack as many
-        fields into an fp32 word as ``levels``' do: a field of ``b`` bits leaves ``24 mod b`` bits
-        of each word unused, and the widest field that still packs ``F = floor(24 / b)`` a word,
-        ``floor(24 / F)`` bits, holds sums up to ``2 N s' <= 2**floor(24 / F) - 1``."""
+        fields into a 63-bit word as ``levels``' do: a field of ``b`` bits leaves ``63 mod b`` bits
+        of each word unused, and the widest field that still packs ``F = floor(63 / b)`` a word,
+        ``floor(63 / F)`` bits, holds sums up to ``2 N s' <= 2**floor(63 / F) - 1`` (and, decoded
+        in fp32, below ``2**24``)."""
         if levels <= 0:
             return levels
-        fields = _EXACT_BITS // bits_to_hold(2 * world_size * levels)
-        if fields == 0:  # too wide for a word: _field_bits says so
+        b = bits_to_hold(2 * world_size * levels)
+        if b > _EXACT_BITS:  # too wide: _field_bits says so
             return levels
-        widest = _EXACT_BITS // fields
+        widest = min(_WORD_BITS // (_WORD_BITS // b), _EXACT_BITS)
         return max(levels, min((2**widest - 1) // (2 * world_size), 2 ** (_EXACT_BITS - 2) - 1))
 
     @property
@@ -607,15 +613,15 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
         return self.fill_levels(s, self.world_size) if self.options.quant_fill else s
 
     def _field_bits(self) -> tuple[int, int]:
-        """(b, F): bits of a packed field and fields per fp32 word for this world size."""
+        """(b, F): bits of a packed field and fields per int64 word for this world size."""
         b = bits_to_hold(2 * self.world_size * self.levels)
         if b > _EXACT_BITS:
             raise ValueError(
                 f"quant_levels={self.options.quant_levels} with {self.world_size} ranks: level sums need {b} bits, "
-                f"more than the {_EXACT_BITS} an fp32 word holds exactly; use quant_levels <= "
+                f"more than the {_EXACT_BITS} an fp32 value holds exactly; use quant_levels <= "
                 f"{(2**_EXACT_BITS - 1) // (2 * self.world_size)}"
             )
-        return b, _EXACT_BITS // b
+        return b, _WORD_BITS // b
 
     def _refit_from_leader(self, layers: list[tuple[str, Tensor, Tensor]], step: int, revertible: bool = False) -> int:
         """``"leader"`` source: the leader fits each layer's basis on its own compensated gradient and
@@ -736,11 +742,13 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
             if prepared is None:
                 raise RuntimeError("gradiveq: quantized encode without a shared scale (prepare_bucket did not run)")
             gen = seeded_generator(self.options.seed, self.rank, step, key, x.device)
-            coef = self._quantize(c, prepared.scale, gen)
+            words = self._quantize(c, prepared.scale, gen)
+            # the scales travel beside the words; identical on all ranks, their sums are N a
+            payload = [words, prepared.scale.reshape(-1).to(torch.float32), tail]
         else:
-            coef = c.reshape(-1)
+            payload = [c.reshape(-1), tail]
         # local stays None: the hook decodes it only when error feedback or a statistics sample needs it
-        return EncodeResult([coef, tail], ctx=_LayerContext(bkey, s))
+        return EncodeResult(payload, ctx=_LayerContext(bkey, s))
 
     def _quantize(self, c: Tensor, scale: Tensor, gen: torch.Generator) -> Tensor:
         s = self.levels
@@ -754,28 +762,28 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
             q = y.round().clamp_(-s, s).add_(s)
         else:  # stochastic rounding: floor(y + u), u ~ U[0, 1), is unbiased; then offset to [0, 2s]
             q = torch.rand(y.shape, generator=gen, device=y.device).add_(y).floor_().clamp_(-s, s).add_(s)
+        q = q.to(torch.int64)
         pad = (-q.numel()) % f
         if pad:
             q = torch.cat([q, q.new_zeros(pad)])
-        # pack f fields of b bits into one fp32 word: every partial sum is an integer < 2**24, exact
-        words = q.view(-1, f) @ _field_powers(b, f, q.device)
-        # the scales travel with the words; identical on all ranks, their sums are N a
-        return torch.cat([words, scale.reshape(-1).to(torch.float32)])
+        # pack f fields of b bits into one int64 word (the fields do not overlap, so their sum is
+        # the word); every partial sum of the all-reduce stays below 2**63, exact
+        return (q.view(-1, f) << _field_shifts(b, f, q.device)).sum(1)
 
     def _scale_count(self, k: int) -> int:
-        """Shared scales a quantized layer of ``k`` components carries at the end of its words."""
+        """Shared scales a quantized layer of ``k`` components carries beside its words."""
         return k if self.options.quant_scale == "component" else 1
 
-    def _dequantize(self, words: Tensor, n: int, count: int, k: int) -> Tensor:
+    def _dequantize(self, words: Tensor, scales: Tensor, n: int, count: int) -> Tensor:
+        """The ``n`` coefficients that ``words`` (int64, summed over ``count`` ranks) and ``scales``
+        (the shared scales, summed likewise) stand for."""
         s = self.levels
         b, f = self._field_bits()
-        m = self._scale_count(k)
+        m = scales.numel()
         # the shared scales, summed over count ranks (fp64, rounded once to fp32)
-        a = words[-m:].to(torch.float64) / count
-        w = words[:-m].to(torch.int32)  # exact: integers below 2**24
-        shifts = torch.arange(f, device=w.device, dtype=torch.int32) * b
-        fields = (w.unsqueeze(1) >> shifts) & ((1 << b) - 1)
-        qsum = fields.reshape(-1)[:n].to(torch.float32) - count * s
+        a = scales.to(torch.float64) / count
+        fields = (words.unsqueeze(1) >> _field_shifts(b, f, words.device)) & ((1 << b) - 1)
+        qsum = fields.reshape(-1)[:n].to(torch.float32) - count * s  # exact: integers below 2**24
         # n = slices * k coefficients, row-major: column j is component j
         return (qsum.view(-1, m) * (a / s).to(torch.float32)).reshape(-1)
 
@@ -783,9 +791,13 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
         if ctx is None:
             return payload[0].to(torch.float32)
         bkey, s = ctx.basis_key, ctx.slices
-        coef, tail = payload
         k = self._u32[bkey].shape[1]
-        c = self._dequantize(coef, s * k, count, k) if self.options.quant_levels else coef.to(torch.float32)
+        if self.options.quant_levels:
+            words, scales, tail = payload
+            c = self._dequantize(words, scales, s * k, count)
+        else:
+            coef, tail = payload
+            c = coef.to(torch.float32)
         d = self.options.slice_dim
         out = torch.empty(numel, dtype=torch.float32, device=c.device)
         g = out[: s * d].view(s, d)
@@ -795,14 +807,16 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
         out[s * d :] = tail
         return out
 
-    def payload_numel(self, numel: int) -> int:
-        """fp32 values this codec puts on the wire for a layer of ``numel`` values (with a basis of k)."""
+    def payload_nbytes(self, numel: int) -> int:
+        """Bytes this codec puts on the wire for a layer of ``numel`` values (with a basis of k):
+        int64 words of packed levels and fp32 scales, or fp32 coefficients; the tail in fp32."""
         d, k = self.options.slice_dim, self.num_components
         s = numel // d
+        tail = 4 * (numel - s * d)
         if self.options.quant_levels:
             _, f = self._field_bits()
-            return -(-(s * k) // f) + self._scale_count(k) + numel - s * d
-        return s * k + numel - s * d
+            return 8 * -(-(s * k) // f) + 4 * self._scale_count(k) + tail
+        return 4 * s * k + tail
 
     # ----------------------------------------------------------------------------------------------
     # checkpointing: identical on every rank
