@@ -330,6 +330,7 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
     """
 
     collective = "allreduce"
+    wire_format = 2  # levels packed in int64 words (1: in fp32 words, exact below 2**24)
     _unpickled_locks = ("_sample_lock",)  # the window's samples, written from the hook's callbacks
     Options = GradiVeQOptions
     harness_defaults = {"min_numel": 4096}
