@@ -106,10 +106,10 @@ class CompressedDDPStrategy(DDPStrategy):
             off; ``True``: on with the callback's defaults; a dict: the callback's arguments
             (``{"eta": 0.5, "interval": 50}``); ``None`` (default): on for ``codec="lgc"``,
             ``codec="gradiveq"`` and ``codec="iwp"`` (measured to train clearly better with it,
-            docs/benchmarks.md; ``gradiveq`` light for the first half of the run, its measured
-            schedule beside SGD, ``lgc`` and ``iwp`` with ``lr_reference="peak"`` beside an
-            Adam-like optimizer, where ``gradiveq`` holds its
-            light level (``high_level=0``): the codec's ``adaptive_optimizer_controller``; ``iwp``
+            docs/benchmarks.md; ``gradiveq`` holding its light level (``high_level=0``: 16
+            components on every step), beside SGD and beside an Adam-like optimizer (the codec's
+            ``adaptive_optimizer_controller``), ``lgc`` and ``iwp`` with ``lr_reference="peak"``
+            beside an Adam-like optimizer; ``iwp``
             with ``lr_scaled_feedback=True`` whenever the controller runs: its
             ``adaptive_harness_defaults``) and
             ``codec="auto"`` (its accuracy budget: no heavy arm in a critical regime), off for every

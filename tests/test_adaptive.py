@@ -122,27 +122,32 @@ def test_the_strategy_builds_the_callback_it_will_attach():
     assert isinstance(cb, AdaptiveCompression) and (cb.eta, cb.interval) == (0.3, 20)
     assert CompressedDDPStrategy(codec="topk", adaptive_level=True)._adaptive_callback.interval == 50
     assert CompressedDDPStrategy(codec="topk")._adaptive_callback is None  # off by default
-    # on by default for gradiveq, with the rule measured for it (light for the first half of the
-    # run; a step decay still counts, a smooth one does not); True gives the callback's defaults
+    # on by default for gradiveq, holding its light level (16 components on every step, measured
+    # beside SGD and beside Adam); True gives the callback's defaults
     gradiveq = CompressedDDPStrategy(codec="gradiveq")._adaptive_callback
-    assert (gradiveq.warmup, gradiveq.lr_drop, gradiveq.lr_reference) == (0.5, 0.5, "previous")
+    assert (gradiveq.high_level, gradiveq.low_level) == (0.0, 0.0)
     plain = CompressedDDPStrategy(codec="gradiveq", adaptive_level=True)._adaptive_callback
     assert (plain.warmup, plain.lr_drop, plain.lr_reference) == (0.05, 0.5, "previous")
     assert CompressedDDPStrategy(codec="lgc")._adaptive_callback.lr_reference == "previous"
 
 
-def test_gradiveqs_default_rule_beside_sgd_sees_a_step_decay_and_not_a_smooth_one():
-    # light for the first half of the run, then heavy (the norm is constant here, so after the
-    # first window's comparison the norm rule never fires); a tenfold step decay at step 140 is
-    # light from the next step to the end of the next full window (step 200, the run's end), while
-    # the recipe's cosine is light only after its last halving of the rate, at its final step
+def test_gradiveqs_default_beside_sgd_holds_the_light_level_and_its_earlier_schedule_sees_a_step_decay():
     total, drop_at = 200, 140
+    step_rates = [0.05 if s < drop_at else 0.005 for s in range(total)]
+    # the default holds the light level whatever the norm and the rate do
+    held = CompressedDDPStrategy(codec="gradiveq")._adaptive_callback
+    assert _drive(held, [1.0 + (s % 7) for s in range(total)], step_rates)[0] == [0.0] * total
 
+    # the schedule that was the default before, {"warmup": 0.5}: light for the first half of the
+    # run, then heavy (the norm is constant here, so after the first window's comparison the norm
+    # rule never fires); a tenfold step decay at step 140 is light from the next step to the end
+    # of the next full window (step 200, the run's end), while the recipe's cosine is light only
+    # after its last halving of the rate, at its final step
     def levels_under(rates: list[float]) -> list[float]:
-        cb = CompressedDDPStrategy(codec="gradiveq")._adaptive_callback
+        cb = CompressedDDPStrategy(codec="gradiveq", adaptive_level={"warmup": 0.5})._adaptive_callback
         return _drive(cb, [1.0] * total, rates)[0]
 
-    step_decay = levels_under([0.05 if s < drop_at else 0.005 for s in range(total)])
+    step_decay = levels_under(step_rates)
     assert step_decay == [0.0] * 100 + [1.0] * (drop_at + 1 - 100) + [0.0] * (total - drop_at - 1), step_decay
     schedule = _load_recipe("resnet_cifar10").warmup_cosine(total)  # the CIFAR-10 recipe's own
     cosine = levels_under([0.05 * schedule(s) for s in range(total)])

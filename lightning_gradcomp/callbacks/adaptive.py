@@ -101,7 +101,8 @@ class AdaptiveCompression(Callback):
     **A held level.** When ``low_level`` equals the heavy level (``high_level``, or the codec's
     level at fit start), every verdict would give the same level: the callback then sets, logs
     and counts that level and does nothing else (no window, no norm, no all-reduce, no decisions).
-    ``CompressedDDPStrategy`` attaches it so for ``gradiveq`` beside an Adam-like optimizer.
+    ``CompressedDDPStrategy`` attaches it so for ``gradiveq``, beside SGD and beside an Adam-like
+    optimizer.
 
     Logged: ``gradcomp/level`` (the level in use, every step) and ``gradcomp/grad_change`` (the
     relative change, at each decision). Checkpointed: the level, the window's sum and count, the

@@ -282,9 +282,10 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
             paper's value is not confirmed).
         num_components: k, principal components kept, ``1 <= k <= d`` (default 4 when
             ``variance_target`` is not given, i.e. ``d / k = 16``; our choice). With
-            ``variance_target`` it is the upper bound of the k picked (default ``d``). Beside an
-            Adam-like optimizer the level controller that ``CompressedDDPStrategy`` attaches by
-            default holds the light level, ``min(d, 4k)`` components on every step (16 for the defaults)
+            ``variance_target`` it is the upper bound of the k picked (default ``d``). The level
+            controller that ``CompressedDDPStrategy`` attaches by default holds the light level,
+            ``min(d, 4k)`` components on every step (16 for the defaults), beside SGD
+            (:attr:`adaptive_by_default`) as beside an Adam-like optimizer
             (:attr:`adaptive_optimizer_controller`).
         variance_target: if given, in ``(0, 1]``: each fit picks per layer the smallest k whose
             components explain this fraction of the sampled gradient energy (the paper picks k by
@@ -342,13 +343,15 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
     # Beside SGD the same light steps pay more at the start: light for the first half of the
     # run, then heavy unless a window's norm changes by half (the rate ignored), ended 0.56
     # point above the peak rule over six seeds on an Intel Xeon (standard error 0.22; level or
-    # above on every seed) with 8 % fewer bytes, 22.4x over the run instead of 20.7x
-    # (docs/benchmarks.md, "Light first, heavy late, beside SGD"). A step decay of the rate
-    # (a fall by half from one step to the next) is light again, as Accordion has it; a smooth
-    # decay is not, but for the recipe cosine's last step, which changed no validation
-    # ("A step decay counts again"). Beside Adam the controller holds one level
-    # (adaptive_optimizer_controller), so the schedule does not apply there.
-    adaptive_by_default = {"warmup": 0.5}
+    # above on every seed) with 8 % fewer bytes (docs/benchmarks.md, "Light first, heavy late,
+    # beside SGD"), and was the default until the levels travelled in int64 words. Those words
+    # cut a 16-component step's bytes by a third, and the light level on every step, 21.2x over
+    # the run, ended 0.45 point above that schedule over the same six seeds (standard error 0.07;
+    # above on every seed) and 1.00 below plain all-reduce (0.32): by the rule written before
+    # its last two seeds, the controller holds the light level beside SGD too ("Seeds 4 and 5
+    # of 16 components, with the levels packed in 64-bit integers"). {"warmup": 0.5} gives the
+    # schedule back (31.8x in int64 words).
+    adaptive_by_default = {"high_level": 0.0}
     # beside Adam the coefficients' quantization costs: on PSPNet/CamVid (AdamW, eight seeds)
     # fp32 coefficients ended 0.89 mIoU above seven levels (standard error 0.25) at 2.7x the
     # bytes, and 31 levels 0.65 above (0.50) at 1.18x, for two ranks (docs/benchmarks.md, "Eight
