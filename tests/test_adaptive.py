@@ -158,6 +158,27 @@ def test_gradiveqs_default_beside_sgd_holds_the_light_level_and_its_earlier_sche
     assert ignored == [0.0] * 100 + [1.0] * 100, ignored
 
 
+def test_a_run_resumed_under_the_held_default_goes_on_with_the_schedule_it_started_with():
+    # a checkpoint written under gradiveq's default of the version before ({"warmup": 0.5}): the
+    # controller's state holds its heavy level and warm-up, so the held default of now resumes it
+    # as the uninterrupted run would have gone on, heavy after the first half
+    total, cut = 200, 130
+    norms, rates = [1.0] * total, [0.05] * total
+
+    def schedule() -> AdaptiveCompression:
+        return CompressedDDPStrategy(codec="gradiveq", adaptive_level={"warmup": 0.5})._adaptive_callback
+
+    whole = _drive(schedule(), norms, rates, codec=make_codec("gradiveq"))[0]
+    assert whole == [0.0] * 100 + [1.0] * 100
+    first = schedule()
+    _drive(first, norms[:cut], rates[:cut], codec=make_codec("gradiveq"))
+    held = CompressedDDPStrategy(codec="gradiveq")._adaptive_callback
+    later = _drive(held, norms[cut:], rates[cut:], codec=make_codec("gradiveq"), start=cut, state=first.state_dict())[0]
+    assert later == whole[cut:]
+    # a fresh run under the held default stays light
+    assert _drive(CompressedDDPStrategy(codec="gradiveq")._adaptive_callback, norms, rates)[0] == [0.0] * total
+
+
 def test_iwp_keeps_its_residual_in_units_of_the_update_whenever_the_controller_runs():
     # the two were measured together: the controller by default brings the rescaled residual along
     strategy = CompressedDDPStrategy(codec="iwp")
@@ -223,12 +244,19 @@ class _Module:
 
 
 def _drive(
-    cb: AdaptiveCompression, norms: list[float], rates: list[float], codec=None, optimizers: int = 1, start: int = 0
+    cb: AdaptiveCompression,
+    norms: list[float],
+    rates: list[float],
+    codec=None,
+    optimizers: int = 1,
+    start: int = 0,
+    state: dict | None = None,
 ) -> tuple[list[float], _Module]:
     """Run ``cb`` over one step per entry, from step ``start``, with that step's gradient norm and
     learning rate, in one process (``optimizers`` calls of ``on_before_optimizer_step`` a step, as
     Lightning makes for a module with that many); the level in use at each step, and the module it
-    logged to."""
+    logged to. ``state``: a checkpoint's state, loaded where Lightning restores callbacks (after
+    ``setup``, before ``on_fit_start``)."""
     codec = make_codec("topk", ratio=0.01) if codec is None else codec
     optimizer = SimpleNamespace(param_groups=[{"lr": rates[0]}])
     trainer = SimpleNamespace(
@@ -240,6 +268,8 @@ def _drive(
     )
     module = _Module()
     cb.setup(trainer, module, "fit")
+    if state is not None:
+        cb.load_state_dict(state)
     cb.on_fit_start(trainer, module)
     levels = []
     for step, (norm, rate) in enumerate(zip(norms, rates), start):

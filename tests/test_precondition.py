@@ -260,13 +260,15 @@ def test_gradiveq_beside_adam_holds_its_light_level_unless_told_otherwise():
     assert codec.num_components == 16  # min(d, 4k) for the default k = 4 and d = 64
     codec.set_level(1.0)
     assert codec.num_components == 4
-    # beside SGD the heavy level stays the configured 4 components
-    assert _controller_beside("sgd", codec="gradiveq").high_level is None
-    # the user's own arguments are kept, and a run whose checkpoint took no controller arguments
-    # beside Adam (an earlier version) goes on with the schedule it started with
+    # beside SGD the default holds the same light level (measured there too since the int64 words)
+    assert _controller_beside("sgd", codec="gradiveq").high_level == 0.0
+    # the user's own arguments are kept: the heavy level is then the configured 4 components
     assert _controller_beside("adamw", codec="gradiveq", adaptive_level={"lr_reference": "peak"}).high_level is None
+    assert _controller_beside("sgd", codec="gradiveq", adaptive_level={"warmup": 0.5}).high_level is None
+    # a run whose checkpoint took no controller arguments beside Adam (an earlier version) gets the
+    # default's arguments here; its controller's own state (its heavy level) decides on resume
     recorded = {"optimizer_defaults": {"options": {"quant_levels": 31}, "controller": {}}}
-    assert _controller_beside("adamw", codec="gradiveq", resumed_from=recorded).high_level is None
+    assert _controller_beside("adamw", codec="gradiveq", resumed_from=recorded).high_level == 0.0
 
 
 def _controller_beside(optimizer: str, **kwargs):
@@ -280,10 +282,11 @@ def test_lgc_beside_adam_takes_the_peak_rule_only_for_the_controller_it_attached
     assert _controller_beside("adamw", codec="lgc", adaptive_level={"eta": 0.5}).lr_reference == "previous"
     assert _controller_beside("adamw", codec="lgc", adaptive_level=True).lr_reference == "previous"
     assert _controller_beside("adamw", codec="lgc", adaptive_level=False) is None
-    # gradiveq's own schedule (light for the first half) with any optimizer, held at one level
-    # beside Adam (below); iwp's rule is lgc's; topk has no controller by default
-    gradiveq = _controller_beside("adamw", codec="gradiveq")
-    assert (gradiveq.warmup, gradiveq.lr_drop, gradiveq.high_level) == (0.5, 0.5, 0.0)
+    # gradiveq holds one level with any optimizer (below); iwp's rule is lgc's; topk has no
+    # controller by default
+    for optimizer in ("adamw", "sgd"):
+        gradiveq = _controller_beside(optimizer, codec="gradiveq")
+        assert (gradiveq.low_level, gradiveq.high_level, gradiveq.lr_reference) == (0.0, 0.0, "previous")
     assert _controller_beside("adamw", codec="iwp").lr_reference == "peak"
     assert _controller_beside("sgd", codec="iwp").lr_reference == "previous"
     assert _controller_beside("adamw", codec="topk") is None

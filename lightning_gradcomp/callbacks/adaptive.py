@@ -246,7 +246,7 @@ class AdaptiveCompression(Callback):
         in_use = float(codec.compression_level)
         self.steps_at_level[in_use] = self.steps_at_level.get(in_use, 0) + 1
         if self.low_level == self._high:
-            # a held level (gradiveq's default beside Adam): every verdict gives the same level, so
+            # a held level (gradiveq's default): every verdict gives the same level, so
             # no window is kept, no norm taken and no collective run
             return
         self._add_to_window(pl_module)
