@@ -318,7 +318,8 @@ def test_packed_quantized_levels_sum_exactly(
         encs.append(codec.encode(v, "w", None, 10, prepared=_SharedScale(scale)))
     b, f = codec._field_bits()
     assert (b, f) == (bits, fields)  # levels sum to [0, 2Ns]: s=7, N=2: 5 bits, 12 a word; s=3: 4 bits, 15
-    assert codec.levels == GradiVeQCodec.fill_levels(quant_levels, world) if quant_fill else quant_levels
+    # filled: two ranks keep 7 (their fields are full), eight ranks raise 15 to 31
+    assert codec.levels == ({(2, 7): 7, (8, 15): 31}[(world, quant_levels)] if quant_fill else quant_levels)
     words, scales, tail = encs[0].payload
     assert words.dtype == torch.int64 and words.numel() == -(-200 * 3 // f)
     assert scales.dtype == torch.float32 and scales.numel() == scale.numel()
@@ -484,7 +485,7 @@ def gloo_worker(rank: int, world: int) -> bytes:
         "k4": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=0),
         "kd": ddp_run(rank, world, steps, slice_dim=8, num_components=8, center=True, quant_levels=0),
         "q": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=7, quant_fill=False),
-        # 50 levels, filled: 127 in the same 8-bit fields, seven to a word with two ranks
+        # 50 levels, filled: 127 with two ranks, in 9-bit fields where 50's are 8, seven to a word either way
         "q50": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=50, quant_fill=False),
         "qfill": ddp_run(rank, world, steps, slice_dim=8, num_components=2, quant_levels=50, quant_fill=True),
         "mismatch": _mismatch(rank, world),
@@ -531,6 +532,7 @@ def test_two_ranks_sum_codes_in_the_all_reduce():
         assert res["payload"][WARMUP:] == [expect + (4 * 2 if name == "q" else 0)] * 2
         if ratio:  # slices of 8 sent as 2 coefficients, each weight's tail of 4 raw, small layers raw
             assert expect == 4 * ((3300 // 8) * 2 + 4 + (1100 // 8) * 2 + 4 + dense + 1)
+    assert r0["q"]["payload"][-1] < r0["k4"]["payload"][-1] / 3  # the whole step, small layers included
     # the weights' payloads: 7 levels send 12 coefficients in 8 bytes, where fp32 takes 48
     q_bytes, k4_bytes = (sum(r0[name]["payload_nbytes"].values()) for name in ("q", "k4"))
     assert q_bytes < k4_bytes / 5
