@@ -1188,6 +1188,27 @@ def test_tta_reports_only_the_codecs_asked_and_names_the_labels_it_has():
         tta.compute(acc, link_data, ["100mbit"], only=("powersgd", "iwp"))
 
 
+def test_tta_reads_only_the_seeds_asked_for_every_codec():
+    acc, link_data = _tta_inputs()
+    acc["rows"].append(_acc_row("none", 2, [(50, 0.2), (100, 0.3), (150, 0.3)], 0.3))
+    acc["rows"].append(_acc_row("powersgd", 2, [(50, 0.1), (100, 0.1), (150, 0.1)], 0.1))
+    every = tta.compute(acc, link_data, ["100mbit"], hosts=2)
+    assert every["meta"]["none_seeds"] == [0, 1, 2] and every["meta"]["seeds_read"] is None
+    assert every["meta"]["target"] == pytest.approx((0.5 + 0.6 + 0.3) / 3)
+    asked = tta.compute(acc, link_data, ["100mbit"], hosts=2, seeds=(0, 1))
+    # the same as a file that never held seed 2
+    assert asked["meta"]["none_seeds"] == [0, 1] and asked["meta"]["seeds_read"] == [0, 1]
+    assert asked["meta"]["target"] == pytest.approx(0.55)
+    got = {r["codec"]: r for r in asked["rows"]}
+    assert got["powersgd"]["steps_to_target"] == 100 and got["powersgd"]["tta_s"] == pytest.approx(120)
+    assert got["lgc"]["seeds"] == "0,1"
+    with pytest.raises(ValueError, match="no run of 'none' on cifar10 with status ok among seeds 7"):
+        tta.compute(acc, link_data, ["100mbit"], seeds=(7,))
+    assert tta.parse_seeds("0, 1,2") == (0, 1, 2) and tta.parse_seeds(None) is None
+    with pytest.raises(SystemExit, match="comma list of integers"):
+        tta.parse_seeds("0,a")
+
+
 def test_tta_given_target_level_replaces_none_final_metric():
     acc, link_data = _tta_inputs()
     result = tta.compute(acc, link_data, ["100mbit"], hosts=2, target=0.3, target_drop=0.2)

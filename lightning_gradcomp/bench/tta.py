@@ -93,6 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--compare", default="none,powersgd", help="codecs the speed-up is given against")
     p.add_argument(
+        "--seeds",
+        default=None,
+        help="comma list of the seeds whose runs are read, for every codec (default: every seed in the "
+        "accuracy results; give them so that a command reads the same runs once more seeds join the file)",
+    )
+    p.add_argument(
         "--codecs",
         default=None,
         help="comma list of the codec labels to report (default: every label in the accuracy results; none is kept)",
@@ -308,16 +314,22 @@ def compute(
     link_model: str | None = None,
     step_time_of: dict[str, str] | None = None,
     only: tuple[str, ...] | None = None,
+    seeds: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """Time to accuracy per codec and rate from the JSON of ``accuracy`` and of ``link``:
     ``{"meta": ..., "rows": [...], "curves": {codec: [{step, mean, min, max}]}}``.
     ``step_time_of``: codec labels without a link row of their own, mapped to the label whose
     timed steps send the same bytes (by default a label ``name@x`` borrows ``name``'s row).
-    ``only``: the codec labels to report (``none`` is always kept: it sets the target)."""
+    ``only``: the codec labels to report (``none`` is always kept: it sets the target).
+    ``seeds``: read only the runs of these seeds, for every codec (``none`` included)."""
     step_time_of = step_time_of or {}
-    codecs, warnings = accuracy_curves(acc.get("rows", []), task)
+    acc_rows = acc.get("rows", [])
+    if seeds is not None:
+        acc_rows = [r for r in acc_rows if r.get("seed") in seeds]
+    codecs, warnings = accuracy_curves(acc_rows, task)
     if "none" not in codecs:
-        raise ValueError(f"the accuracy results hold no run of 'none' on {task} with status ok: no target")
+        among = f" among seeds {', '.join(map(str, seeds))}" if seeds is not None else ""
+        raise ValueError(f"the accuracy results hold no run of 'none' on {task} with status ok{among}: no target")
     if only:
         unknown = [c for c in only if c not in codecs]
         if unknown:
@@ -426,6 +438,7 @@ def compute(
         "target_given": given,
         "none_final_metric": info["final_metric"],
         "none_seeds": info["seeds"],
+        "seeds_read": list(seeds) if seeds is not None else None,
         "none_levels": levels,
         "none_fraction": NONE_FRACTION,
         "rates": rates,
@@ -504,6 +517,16 @@ def parse_step_time_of(text: str | None) -> dict[str, str]:
     return out
 
 
+def parse_seeds(text: str | None) -> tuple[int, ...] | None:
+    """``"0,1,2"`` -> ``(0, 1, 2)``; ``None`` or empty: every seed."""
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"tta: --seeds takes a comma list of integers, got {text!r}") from None
+
+
 def main(args: argparse.Namespace) -> int:
     for path in (args.accuracy, args.link):
         if not Path(path).exists():
@@ -523,6 +546,7 @@ def main(args: argparse.Namespace) -> int:
             link_model=args.link_model,
             step_time_of=parse_step_time_of(args.step_time_of),
             only=tuple(c for c in (args.codecs or "").split(",") if c) or None,
+            seeds=parse_seeds(args.seeds),
         )
     except ValueError as err:
         raise SystemExit(f"tta: {err}") from None
