@@ -1204,7 +1204,7 @@ def test_tta_reads_only_the_seeds_asked_for_every_codec():
     assert got["lgc"]["seeds"] == "0,1"
     with pytest.raises(ValueError, match="no run of 'none' on cifar10 with status ok among seeds 7"):
         tta.compute(acc, link_data, ["100mbit"], seeds=(7,))
-    assert tta.parse_seeds("0, 1,2") == (0, 1, 2) and tta.parse_seeds(None) is None
+    assert tta.parse_seeds("0, 1,2") == [0, 1, 2] and tta.parse_seeds(None) is None
     with pytest.raises(SystemExit, match="comma list of integers"):
         tta.parse_seeds("0,a")
 

@@ -468,6 +468,16 @@ def _merge_saved(done: dict[tuple, dict[str, Any]], path: Path) -> None:
         done.setdefault(config_key(r), r)
 
 
+def parse_seeds(text: str | None) -> list[int] | None:
+    """A ``--seeds`` argument: ``"0,1,2"`` -> ``[0, 1, 2]``; ``None`` or empty: ``None``."""
+    if not text:
+        return None
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"--seeds must be a comma list of integers, got {text!r}") from None
+
+
 def main(args: argparse.Namespace) -> int:
     from lightning_gradcomp.bench.link import default_codecs
 
@@ -476,10 +486,7 @@ def main(args: argparse.Namespace) -> int:
     bad = [t for t in tasks if t not in TASKS]
     if bad:
         raise SystemExit(f"--tasks must be among {list(TASKS)}, got {bad}")
-    try:
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-        raise SystemExit(f"--seeds must be a comma list of integers, got {args.seeds!r}") from None
+    seeds = parse_seeds(args.seeds)
     if not seeds:
         raise SystemExit("--seeds is empty")
     out = Path(args.out)

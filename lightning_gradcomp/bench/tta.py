@@ -35,11 +35,12 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from lightning_gradcomp.bench import paths
-from lightning_gradcomp.bench.accuracy import config_key, recipe_option
+from lightning_gradcomp.bench.accuracy import config_key, parse_seeds, recipe_option
 from lightning_gradcomp.bench.results import Column, format_table, read_json, write_csv, write_json
 
 __all__ = [
@@ -314,7 +315,7 @@ def compute(
     link_model: str | None = None,
     step_time_of: dict[str, str] | None = None,
     only: tuple[str, ...] | None = None,
-    seeds: tuple[int, ...] | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Time to accuracy per codec and rate from the JSON of ``accuracy`` and of ``link``:
     ``{"meta": ..., "rows": [...], "curves": {codec: [{step, mean, min, max}]}}``.
@@ -515,16 +516,6 @@ def parse_step_time_of(text: str | None) -> dict[str, str]:
             raise SystemExit(f"tta: --step-time-of takes LABEL=OTHER items, got {item!r}")
         out[label] = other
     return out
-
-
-def parse_seeds(text: str | None) -> tuple[int, ...] | None:
-    """``"0,1,2"`` -> ``(0, 1, 2)``; ``None`` or empty: every seed."""
-    if not text:
-        return None
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise SystemExit(f"tta: --seeds takes a comma list of integers, got {text!r}") from None
 
 
 def main(args: argparse.Namespace) -> int:
