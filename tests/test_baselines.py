@@ -240,6 +240,64 @@ def test_powersgd_counts_the_non_finite_flag_and_a_new_rank_drops_p_and_q():
     assert state.q_memory_dict[0].numel() == 32 * 8
 
 
+class ManyLayerBucket:
+    """A DDP bucket of several gradients, views of one flat buffer, for torch's PowerSGD hook."""
+
+    def __init__(self, shapes: list[tuple[int, ...]], seed: int) -> None:
+        self._buffer = torch.randn(sum(math.prod(s) for s in shapes), generator=torch.Generator().manual_seed(seed))
+        self._views = [v.view(s) for v, s in zip(self._buffer.split([math.prod(s) for s in shapes]), shapes)]
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._views
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [torch.ones_like(v) for v in self._views]
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
+def test_powersgd_records_the_bytes_torchs_hook_all_reduces(monkeypatch):
+    # the bytes in the statistics come from a formula (payload_elements); here they are checked
+    # against what torch's hook hands to its all-reduces, on the gloo path, at both ranks in use:
+    # a conv weight and a linear weight it compresses, a matrix too small to pay, a bias and a
+    # vector that travel whole, on a first step (fresh Q) and a warm-started one
+    from lightning_gradcomp.codecs import powersgd as powersgd_module
+
+    codec = set_up(make_codec("powersgd", rank=2))
+    shapes = [(16, 8, 3, 3), (16,), (40, 30), (3, 4), (7,)]
+    sent: list[int] = []
+    blocking_all_reduce = powersgd_module._BlockingCollectives.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        sent.append(tensor.numel() * tensor.element_size())
+        return blocking_all_reduce(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(powersgd_module._BlockingCollectives, "all_reduce", staticmethod(counting_all_reduce))
+    for step, level in [(2, 1.0), (3, 1.0), (4, 0.0), (5, 0.0)]:
+        codec.set_level(level)
+        rank = codec.rank_in_use
+        recorded: list[dict] = []
+        sent.clear()
+        bucket = ManyLayerBucket(shapes, seed=step)
+        rc = RoundContext(step, codec.context, record=lambda **s: recorded.append(s))
+        codec.communicate_bucket(bucket, [], torch.zeros(1), rc).wait()
+        whole = 16 + 3 * 4 + 7  # the vectors, and the matrix whose factors would not be smaller
+        if rank == 2:
+            whole, factors = whole, (16 + 72) * 2 + (40 + 30) * 2
+        else:  # rank 8: the conv's factors (88 x 8) are not twice smaller than its 1,152 values
+            assert rank == 8
+            whole, factors = whole + 16 * 72, (40 + 30) * 8
+        assert sum(sent) == 4 * (whole + factors), (step, rank, sent)
+        assert recorded[0]["payload_bytes"] == sum(sent) + 4  # and the 4-byte non-finite flag
+
+
 def test_powersgd_refuses_what_would_double_torchs_own_state():
     with pytest.raises(ValueError, match="use use_error_feedback, not error_feedback"):
         make_codec("powersgd", error_feedback=True)
