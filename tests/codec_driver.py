@@ -18,19 +18,21 @@ from lightning_gradcomp.codecs.base import Codec, CodecContext, EncodeResult, Le
 
 
 class LayerBucket:
-    """The parts of ``torch.distributed.GradBucket`` that a codec's own protocol reads, for one layer."""
+    """The parts of ``torch.distributed.GradBucket`` that a codec's own protocol reads: one flat
+    buffer holding the gradients of ``params``, in their order."""
 
-    def __init__(self, grad: Tensor, param: Tensor) -> None:
-        self._buffer, self._param = grad, param
+    def __init__(self, buffer: Tensor, params: list[Tensor]) -> None:
+        self._buffer, self._params = buffer, params
 
     def buffer(self) -> Tensor:
         return self._buffer
 
     def gradients(self) -> list[Tensor]:
-        return [self._buffer.view(self._param.shape)]
+        sizes = [p.numel() for p in self._params]
+        return [g.view(p.shape) for g, p in zip(self._buffer.split(sizes), self._params)]
 
     def parameters(self) -> list[Tensor]:
-        return [self._param]
+        return self._params
 
     def index(self) -> int:
         return 0
@@ -61,7 +63,7 @@ def round_trip(
     if codec.collective_at(step) == "custom":
         assert isinstance(codec, MultiRound)
         grad = x.clone()
-        fut = codec.communicate_bucket(LayerBucket(grad, param), [(key, grad, param)], torch.zeros(1), rc)
+        fut = codec.communicate_bucket(LayerBucket(grad, [param]), [(key, grad, param)], torch.zeros(1), rc)
         return None, fut.wait().reshape(-1)
     if isinstance(codec, MultiRound):
         prepared = codec.prepare_bucket([(key, x, param)], rc).per_layer.get(key)

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from codec_driver import round_trip, set_up
+from codec_driver import LayerBucket, round_trip, set_up
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -240,29 +240,6 @@ def test_powersgd_counts_the_non_finite_flag_and_a_new_rank_drops_p_and_q():
     assert state.q_memory_dict[0].numel() == 32 * 8
 
 
-class ManyLayerBucket:
-    """A DDP bucket of several gradients, views of one flat buffer, for torch's PowerSGD hook."""
-
-    def __init__(self, shapes: list[tuple[int, ...]], seed: int) -> None:
-        self._buffer = torch.randn(sum(math.prod(s) for s in shapes), generator=torch.Generator().manual_seed(seed))
-        self._views = [v.view(s) for v, s in zip(self._buffer.split([math.prod(s) for s in shapes]), shapes)]
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def gradients(self) -> list[torch.Tensor]:
-        return self._views
-
-    def parameters(self) -> list[torch.Tensor]:
-        return [torch.ones_like(v) for v in self._views]
-
-    def index(self) -> int:
-        return 0
-
-    def is_last(self) -> bool:
-        return True
-
-
 def test_powersgd_records_the_bytes_torchs_hook_all_reduces(monkeypatch):
     # the bytes in the statistics come from a formula (payload_elements); here they are checked
     # against what torch's hook hands to its all-reduces, on the gloo path, at both ranks in use:
@@ -285,12 +262,14 @@ def test_powersgd_records_the_bytes_torchs_hook_all_reduces(monkeypatch):
         rank = codec.rank_in_use
         recorded: list[dict] = []
         sent.clear()
-        bucket = ManyLayerBucket(shapes, seed=step)
+        params = [torch.ones(s) for s in shapes]
+        grads = torch.randn(sum(p.numel() for p in params), generator=torch.Generator().manual_seed(step))
+        bucket = LayerBucket(grads, params)
         rc = RoundContext(step, codec.context, record=lambda **s: recorded.append(s))
         codec.communicate_bucket(bucket, [], torch.zeros(1), rc).wait()
         whole = 16 + 3 * 4 + 7  # the vectors, and the matrix whose factors would not be smaller
         if rank == 2:
-            whole, factors = whole, (16 + 72) * 2 + (40 + 30) * 2
+            factors = (16 + 72) * 2 + (40 + 30) * 2
         else:  # rank 8: the conv's factors (88 x 8) are not twice smaller than its 1,152 values
             assert rank == 8
             whole, factors = whole + 16 * 72, (40 + 30) * 8
