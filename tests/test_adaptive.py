@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn as nn
-from codec_driver import round_trip
+from codec_driver import LayerBucket, round_trip
 from dist_utils import run_gloo
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -32,20 +32,10 @@ from lightning_gradcomp.codecs.base import AdjustableCompression, CodecContext
 ADJUSTABLE = ["topk", "iwp", "qsgd", "powersgd", "gradiveq"]
 
 
-class _Bucket:
-    """What ``PowerSGDCodec.payload_elements`` reads of a DDP bucket."""
-
-    def __init__(self, *tensors: torch.Tensor) -> None:
-        self._tensors = list(tensors)
-
-    def gradients(self) -> list[torch.Tensor]:
-        return self._tensors
-
-
 def _payload_bytes(codec, x: torch.Tensor, step: int = 5) -> int:
     """Bytes one rank puts on the wire for the 256 x 256 layer ``x`` at the codec's level in use."""
     if codec.name == "powersgd":  # torch's hook: the elements of P and Q by torch's own rule
-        return 4 * codec.payload_elements(_Bucket(x.view(256, 256)))
+        return 4 * codec.payload_elements(LayerBucket(x, [x.view(256, 256)]))
     enc, _ = round_trip(codec, x.reshape(-1).clone(), "w", x.view(256, 256), step)
     return sum(t.numel() * t.element_size() for t in enc.payload)
 
