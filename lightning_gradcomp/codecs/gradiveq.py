@@ -186,13 +186,20 @@ def fit_pca(x: Tensor, k: int | None, explained_variance: float | None, center: 
     return u, mu, ev
 
 
+def _max_magnitude(x: Tensor, dim: int | None = None) -> Tensor:
+    """``x.abs().max()`` (or ``.amax(dim)``), exactly, without the copy ``|x|``: the larger of
+    ``max x`` and ``-min x``. A NaN propagates as it does through ``abs().max()``."""
+    lo, hi = torch.aminmax(x) if dim is None else torch.aminmax(x, dim=dim)
+    return torch.maximum(hi, -lo)
+
+
 def _scaled_gram(x: Tensor) -> Tensor:
     """The ``d x d`` second moment ``x^T x`` of ``x`` (``S x d``) in float64, whose eigenvectors are
     the right singular directions of ``x`` (cheap for small ``d``).
 
     ``x`` is scaled by its largest magnitude first: the directions do not change, and the fp32
     products cannot overflow (values near 1e20 would square past fp32's range)."""
-    amax = x.abs().max()
+    amax = _max_magnitude(x)
     x = x / torch.where((amax > 0) & torch.isfinite(amax), amax, torch.ones_like(amax))  # no host sync
     return (x.T @ x).to(torch.float64)
 
@@ -725,8 +732,8 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
     def _local_scale(self, c: Tensor) -> Tensor:
         """This rank's ``max |c|``: per component (``k`` values) or for the whole layer (one)."""
         if self.options.quant_scale == "layer":
-            return (c.abs().max() if c.numel() else c.new_zeros(())).reshape(1)
-        return c.abs().amax(0) if c.shape[0] else c.new_zeros(c.shape[1])
+            return (_max_magnitude(c) if c.numel() else c.new_zeros(())).reshape(1)
+        return _max_magnitude(c, 0) if c.shape[0] else c.new_zeros(c.shape[1])
 
     def encode(
         self, x: Tensor, key: str, param: Tensor, step: int, prepared: _SharedScale | None = None
