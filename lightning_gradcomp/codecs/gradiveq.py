@@ -768,7 +768,7 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
         # (or NaN) sends zeros. One scale per column of c (a component), or one for all
         a = scale.to(torch.float64)
         factor = (s / torch.where(a > 0, a, torch.ones_like(a))).to(torch.float32)
-        y = torch.where(a > 0, c * factor, torch.zeros_like(c)).reshape(-1)
+        y = torch.where(a > 0, c * factor, 0.0).reshape(-1)
         if self.options.quant_rounding == "nearest":
             q = y.round().clamp_(-s, s).add_(s)
         else:  # stochastic rounding: floor(y + u), u ~ U[0, 1), is unbiased; then offset to [0, 2s]
