@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gradcomp import make_comm_hook
 from lightning_gradcomp.codecs.base import CodecContext, RoundContext
-from lightning_gradcomp.codecs.gradiveq import GradiVeQCodec, _SharedScale, fit_pca
+from lightning_gradcomp.codecs.gradiveq import GradiVeQCodec, _max_magnitude, _SharedScale, fit_pca
 from lightning_gradcomp.hook.encode import local_reconstruction
 from lightning_gradcomp.registry import make_codec
 
@@ -706,3 +706,17 @@ def test_leader_basis_is_never_fitted_on_a_non_finite_gradient():
     fresh = GradiVeQCodec(min_numel=0)
     fresh.prepare_bucket([("w", bad, param)], RoundContext(2, one))  # no basis yet: a finite one, unit vectors
     assert torch.equal(fresh._u32["w"], torch.eye(64, 4))
+
+
+def test_the_largest_magnitude_is_that_of_abs_max_whichever_sign_holds_it():
+    """The basis fit's scale and the quantizer's come from ``aminmax`` (no copy of ``|x|``): the
+    same value as ``x.abs().max()``, per column too, when the largest entry is negative, and NaN
+    when an entry is NaN (the step is then skipped, and nothing may look finite)."""
+    x = torch.tensor([[1.0, -7.0, 2.0], [-3.0, 5.0, 0.5]])
+    assert _max_magnitude(x).item() == 7.0
+    assert torch.equal(_max_magnitude(x, 0), torch.tensor([3.0, 7.0, 2.0]))
+    g = torch.randn(4096, 16, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_max_magnitude(g), g.abs().max())
+    assert torch.equal(_max_magnitude(g, 0), g.abs().amax(0))
+    x[1, 2] = float("nan")
+    assert _max_magnitude(x).isnan() and _max_magnitude(x, 0)[2].isnan()
