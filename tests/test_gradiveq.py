@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gradcomp import make_comm_hook
 from lightning_gradcomp.codecs.base import CodecContext, RoundContext
-from lightning_gradcomp.codecs.gradiveq import GradiVeQCodec, _max_magnitude, _SharedScale, fit_pca
+from lightning_gradcomp.codecs.gradiveq import GradiVeQCodec, _max_magnitude, _pack, _SharedScale, fit_pca
 from lightning_gradcomp.hook.encode import local_reconstruction
 from lightning_gradcomp.registry import make_codec
 
@@ -720,3 +720,35 @@ def test_the_largest_magnitude_is_that_of_abs_max_whichever_sign_holds_it():
     assert torch.equal(_max_magnitude(g, 0), g.abs().amax(0))
     x[1, 2] = float("nan")
     assert _max_magnitude(x).isnan() and _max_magnitude(x, 0)[2].isnan()
+
+
+@pytest.mark.parametrize("b", range(1, 25))
+def test_packing_in_fp32_chunks_gives_the_words_of_one_int64_shift_a_field(b):
+    """``_pack`` sums up to ``floor(24 / b)`` fields in fp32 before it widens them to int64; the
+    words must be those of shifting every field on its own, with every field at its largest value
+    (the sums nearest ``2^24``) and at random ones."""
+    f = 63 // b
+    g = torch.Generator().manual_seed(b)
+    for levels in (torch.full((f * 5,), 2.0**b - 1), torch.randint(0, 2**b, (f * 7,), generator=g).float()):
+        reference = (levels.to(torch.int64).view(-1, f) << (torch.arange(f) * b)).sum(1)
+        assert torch.equal(_pack(levels, b, f), reference)
+
+
+@pytest.mark.parametrize("quant_rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize(("world", "quant_levels"), [(1, 7), (2, 7), (2, 3), (8, 15)])
+def test_the_residuals_reconstruction_is_what_the_payload_alone_decodes_to(world, quant_rounding, quant_levels):
+    """With error feedback the quantized encode hands the hook its own reconstruction, made from
+    its levels instead of unpacking its words: it must be the payload's decode on one rank, bit for
+    bit, tail included, as the residual was before."""
+    codec, g = fitted_codec(
+        world=world, quant_levels=quant_levels, quant_rounding=quant_rounding, quant_fill=False, error_feedback=True
+    )
+    assert codec.harness.error_feedback
+    x = torch.randn(8 * 301 + 5, generator=g)  # 903 coefficients: the last word padded
+    for step in (0, 1):
+        c = codec._coefficients(x, "w")
+        enc = codec.encode(x, "w", None, step, prepared=_SharedScale(codec._local_scale(c), c))
+        assert enc.local is not None
+        decoded = codec.decode([p.clone() for p in enc.payload], enc.ctx, x.numel(), count=1)
+        assert torch.equal(enc.local, decoded)
+        assert torch.equal(enc.local[-5:], x[-5:])

@@ -90,7 +90,8 @@ def main(args: argparse.Namespace) -> int:
             for v, codec in codecs.items():
                 shared = torch.stack([codec._local_scale(c) for c in coefs]).amax(0)
                 decoded = [
-                    codec._dequantize(codec._quantize(c, shared, gen), shared, c.numel(), 1).view_as(c) for c in coefs
+                    codec._from_level_sums(codec._quantize(c, shared, gen)[: c.numel()], shared, 1).view_as(c)
+                    for c in coefs
                 ]
                 quant[v] += (sum(decoded) / n - mean_c).pow(2).sum().item()
                 own[v] += sum((q - c).pow(2).sum().item() for c, q in zip(coefs, decoded))

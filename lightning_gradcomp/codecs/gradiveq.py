@@ -220,6 +220,29 @@ def _field_shifts(b: int, f: int, device: torch.device) -> Tensor:
     return (torch.arange(f, dtype=torch.int64) * b).to(device)
 
 
+def _pack(levels: Tensor, b: int, f: int) -> Tensor:
+    """int64 words of ``f`` fields of ``b`` bits, ``sum_i levels[f w + i] 2^(b i)``, from one
+    rank's offset levels (fp32 integers in ``[0, 2^b)``, a multiple of ``f`` of them).
+
+    The fields are first summed in fp32, ``g = floor(24 / b)`` of them to a chunk: every partial
+    sum is an integer below ``2^24``, exact in fp32 in any order, so only the ``ceil(f / g)``
+    chunks a word are widened to int64 and shifted into place, not every field: on ResNet-18's
+    2.8 M coefficients at 16 components about half the time on one core."""
+    g = _EXACT_BITS // b
+    fields = levels.view(-1, f)
+    word = None
+    for lo in range(0, f, g):
+        hi = min(lo + g, f)
+        chunk = fields[:, lo] if hi - lo == 1 else torch.add(fields[:, lo], fields[:, lo + 1], alpha=2.0**b)
+        for i in range(lo + 2, hi):
+            chunk.add_(fields[:, i], alpha=2.0 ** (b * (i - lo)))
+        part = chunk.to(torch.int64)
+        if lo:
+            part <<= b * lo
+        word = part if word is None else word.add_(part)
+    return word
+
+
 @dataclass(frozen=True)
 class GradiVeQOptions(CodecOptions):
     """The options of :class:`GradiVeQCodec` (documented there)."""
@@ -749,37 +772,44 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
         c = None if prepared is None else prepared.coefficients
         if c is None:
             c = self._coefficients(x, bkey)
+        local = None
         if self.options.quant_levels:
             if prepared is None:
                 raise RuntimeError("gradiveq: quantized encode without a shared scale (prepare_bucket did not run)")
             gen = seeded_generator(self.options.seed, self.rank, step, key, x.device)
-            words = self._quantize(c, prepared.scale, gen)
+            levels = self._quantize(c, prepared.scale, gen)
             # the scales travel beside the words; identical on all ranks, their sums are N a
-            payload = [words, prepared.scale.reshape(-1).to(torch.float32), tail]
+            scales = prepared.scale.reshape(-1).to(torch.float32)
+            payload = [_pack(levels, *self._field_bits()), scales, tail]
+            if self.harness.error_feedback:  # the residual needs it: from the levels, not unpacked from the words
+                c_sent = self._from_level_sums(levels[: c.numel()], scales, count=1)
+                local = self._synthesize(c_sent, bkey, s, x.numel(), tail, count=1)
         else:
             payload = [c.reshape(-1), tail]
-        # local stays None: the hook decodes it only when error feedback or a statistics sample needs it
-        return EncodeResult(payload, ctx=_LayerContext(bkey, s))
+        # otherwise local stays None: the hook decodes it only when error feedback or a statistics sample needs it
+        return EncodeResult(payload, local=local, ctx=_LayerContext(bkey, s))
 
     def _quantize(self, c: Tensor, scale: Tensor, gen: torch.Generator) -> Tensor:
+        """The offset levels ``q + s`` in ``[0, 2s]`` of ``c``, fp32, flat, padded with zeros to a
+        multiple of the fields a word (:func:`_pack` makes the words: the fields do not overlap, so
+        their sum is the word, and every partial sum of the all-reduce stays below ``2^63``)."""
         s = self.levels
-        b, f = self._field_bits()
+        _, f = self._field_bits()
         # the scales stay tensors (no host sync): s / a in fp64 rounded once to fp32; a scale of 0
         # (or NaN) sends zeros. One scale per column of c (a component), or one for all
         a = scale.to(torch.float64)
         factor = (s / torch.where(a > 0, a, torch.ones_like(a))).to(torch.float32)
         y = torch.where(a > 0, c * factor, 0.0).reshape(-1)
+        n = y.numel()
+        levels = torch.empty(n + (-n) % f, dtype=torch.float32, device=y.device)
+        q = levels[:n]
         if self.options.quant_rounding == "nearest":
-            q = y.round().clamp_(-s, s).add_(s)
-        else:  # stochastic rounding: floor(y + u), u ~ U[0, 1), is unbiased; then offset to [0, 2s]
-            q = torch.rand(y.shape, generator=gen, device=y.device).add_(y).floor_().clamp_(-s, s).add_(s)
-        q = q.to(torch.int64)
-        pad = (-q.numel()) % f
-        if pad:
-            q = torch.cat([q, q.new_zeros(pad)])
-        # pack f fields of b bits into one int64 word (the fields do not overlap, so their sum is
-        # the word); every partial sum of the all-reduce stays below 2**63, exact
-        return (q.view(-1, f) << _field_shifts(b, f, q.device)).sum(1)
+            torch.round(y, out=q)
+        else:  # stochastic rounding: floor(y + u), u ~ U[0, 1), is unbiased
+            torch.rand(n, generator=gen, device=y.device, out=q).add_(y).floor_()
+        q.clamp_(-s, s).add_(s)
+        levels[n:] = 0
+        return levels
 
     def _scale_count(self, k: int) -> int:
         """Shared scales a quantized layer of ``k`` components carries beside its words."""
@@ -788,15 +818,32 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
     def _dequantize(self, words: Tensor, scales: Tensor, n: int, count: int) -> Tensor:
         """The ``n`` coefficients that ``words`` (int64, summed over ``count`` ranks) and ``scales``
         (the shared scales, summed likewise) stand for."""
-        s = self.levels
         b, f = self._field_bits()
+        fields = (words.unsqueeze(1) >> _field_shifts(b, f, words.device)) & ((1 << b) - 1)
+        return self._from_level_sums(fields.reshape(-1)[:n].to(torch.float32), scales, count)
+
+    def _from_level_sums(self, level_sums: Tensor, scales: Tensor, count: int) -> Tensor:
+        """The coefficients that the offset level sums (fp32 integers, ``count`` ranks' levels
+        added) and the shared scales (summed likewise) stand for: ``(sum - count s) a / s``."""
+        s = self.levels
         m = scales.numel()
         # the shared scales, summed over count ranks (fp64, rounded once to fp32)
         a = scales.to(torch.float64) / count
-        fields = (words.unsqueeze(1) >> _field_shifts(b, f, words.device)) & ((1 << b) - 1)
-        qsum = fields.reshape(-1)[:n].to(torch.float32) - count * s  # exact: integers below 2**24
-        # n = slices * k coefficients, row-major: column j is component j
+        qsum = level_sums - count * s  # exact: integers below 2**24
+        # slices * k coefficients, row-major: column j is component j
         return (qsum.view(-1, m) * (a / s).to(torch.float32)).reshape(-1)
+
+    def _synthesize(self, c: Tensor, bkey: str, slices: int, numel: int, tail: Tensor, count: int) -> Tensor:
+        """The layer (``numel`` values) that the coefficients ``c`` of ``slices`` slices and the raw
+        ``tail`` stand for: ``U c`` per slice (plus ``count mu`` when centred)."""
+        d, k = self.options.slice_dim, self._u32[bkey].shape[1]
+        out = torch.empty(numel, dtype=torch.float32, device=c.device)
+        g = out[: slices * d].view(slices, d)
+        torch.matmul(c.view(slices, k), self._u32[bkey].T, out=g)  # written in place: no extra copy
+        if self.options.center:
+            g += count * self._mu32[bkey]
+        out[slices * d :] = tail
+        return out
 
     def decode(self, payload: list[Tensor], ctx: Any, numel: int, count: int) -> Tensor:
         if ctx is None:
@@ -809,14 +856,7 @@ class GradiVeQCodec(AdjustableLevel, MultiRound, Codec, LocksNotPickled):
         else:
             coef, tail = payload
             c = coef.to(torch.float32)
-        d = self.options.slice_dim
-        out = torch.empty(numel, dtype=torch.float32, device=c.device)
-        g = out[: s * d].view(s, d)
-        torch.matmul(c.view(s, k), self._u32[bkey].T, out=g)  # written in place: no extra copy
-        if self.options.center:
-            g += count * self._mu32[bkey]
-        out[s * d :] = tail
-        return out
+        return self._synthesize(c, bkey, s, numel, tail, count)
 
     def payload_nbytes(self, numel: int) -> int:
         """Bytes this codec puts on the wire for a layer of ``numel`` values (with a basis of k):
