@@ -61,7 +61,8 @@ def send(state, buf: Tensor, enc: Encoded, flag: Tensor, step: int) -> torch.fut
                 else:
                     summed.append(t[off : off + part.numel()].view(part.shape).to(part.dtype))
                     off += part.numel()
-            g.copy_(enc.unscale(i, codec.decode(summed, e.ctx, x.numel(), world)).div_(world).view_as(g))
+            total = enc.unscale(i, codec.decode(summed, e.ctx, x.numel(), world))
+            torch.div(total.view_as(g), world, out=g)  # the mean, written into the bucket in one pass
         enc.write_dense(t[off : off + enc.dense.numel()].float())
         state.stats.add(decode_s=Span(enc.clock, t2, enc.clock.mark()))
         return enc.settle(state, buf, keep=True)
