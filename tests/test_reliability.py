@@ -655,6 +655,10 @@ def _drift(full: list[dict], resumed: list[dict]) -> float:
     )
 
 
+# an earlier version saved none of the messages rank 0 keeps for lgc's next refit
+UNSAVED_BEFORE = "shared.refit_samples."
+
+
 def _assert_continues_as_it_ran(
     full: list[dict], resumed: list[dict], zeroed: list[dict], path: Path, codec: str
 ) -> None:
@@ -668,8 +672,7 @@ def _assert_continues_as_it_ran(
     saved = _checkpoint_weights(path)
     assert saved.shape == steps[CUT].shape
     if torch.equal(saved, steps[CUT]):
-        # an earlier version saved none of the messages rank 0 keeps for lgc's next refit
-        _assert_continues_exactly(full, resumed, codec, unsaved="shared.refit_samples.")
+        _assert_continues_exactly(full, resumed, codec, unsaved=UNSAVED_BEFORE)
         return
     # the same run (Adam turns ulp into lr-sized moves of near-zero gradients, so "near" is relative)
     to_cut, to_previous = (float((saved - steps[s]).abs().max()) for s in (CUT, CUT - 1))
@@ -677,11 +680,7 @@ def _assert_continues_as_it_ran(
     for before, after in _rows_by_step(full, resumed):
         for s in after:
             assert after[s]["residuals"].keys() == before[s]["residuals"].keys()
-            # an earlier version saved none of the messages rank 0 keeps for lgc's next refit
-            kept = [
-                {k for k in row[s]["codec_state"] if not k.startswith("shared.refit_samples.")}
-                for row in (after, before)
-            ]
+            kept = [{k for k in row[s]["codec_state"] if not k.startswith(UNSAVED_BEFORE)} for row in (after, before)]
             assert kept[0] == kept[1]
         assert after[STEPS]["hook_step"] == STEPS
     drift, lost = _drift(full, resumed), _drift(full, zeroed)
