@@ -617,6 +617,12 @@ def _rows_by_step(full: list[dict], resumed: list[dict], cut: int = CUT) -> list
     return pairs
 
 
+def _codec_state_saved(row: dict, unsaved: str | None) -> dict:
+    """A step's codec state without the entries under the prefix ``unsaved`` (a checkpoint whose
+    version did not save them)."""
+    return {k: v for k, v in row["codec_state"].items() if unsaved is None or not k.startswith(unsaved)}
+
+
 def _assert_continues_exactly(
     full: list[dict], resumed: list[dict], codec: str, cut: int = CUT, unsaved: str | None = None
 ) -> None:
@@ -632,11 +638,7 @@ def _assert_continues_exactly(
             else:
                 assert torch.equal(after[s]["weights"], before[s]["weights"]), f"{codec}: rank {r} differs at step {s}"
                 assert same(after[s]["residuals"], before[s]["residuals"])
-                states = [
-                    {k: v for k, v in row[s]["codec_state"].items() if unsaved is None or not k.startswith(unsaved)}
-                    for row in (after, before)
-                ]
-                assert same(*states)
+                assert same(_codec_state_saved(after[s], unsaved), _codec_state_saved(before[s], unsaved))
         assert after[STEPS]["hook_step"] == before[STEPS]["hook_step"] == STEPS
     assert torch.equal(resumed[0]["final"], resumed[1]["final"])
 
@@ -680,7 +682,7 @@ def _assert_continues_as_it_ran(
     for before, after in _rows_by_step(full, resumed):
         for s in after:
             assert after[s]["residuals"].keys() == before[s]["residuals"].keys()
-            kept = [{k for k in row[s]["codec_state"] if not k.startswith(UNSAVED_BEFORE)} for row in (after, before)]
+            kept = [_codec_state_saved(row[s], UNSAVED_BEFORE).keys() for row in (after, before)]
             assert kept[0] == kept[1]
         assert after[STEPS]["hook_step"] == STEPS
     drift, lost = _drift(full, resumed), _drift(full, zeroed)
