@@ -89,9 +89,10 @@ class QSGDCodec(AdjustableLevel, Codec):
         xc = torch.cat([x, x.new_zeros(pad)]).view(-1, c) if pad else x.view(-1, c)
         # scale by the chunk's largest magnitude first: a plain sum of squares overflows fp32 for
         # entries beyond ~1e19 and the norm would come back inf (and the decode NaN)
-        amax = xc.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        magnitude = xc.abs()  # once: both the scale and the rounding read it
+        amax = magnitude.amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
         norms = (xc / amax).norm(dim=1) * amax.squeeze(1)
-        scaled = xc.abs() / norms.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1) * self.levels
+        scaled = magnitude / norms.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1) * self.levels
         gen = seeded_generator(self.options.seed, self.rank, step, key, x.device)
         lower = scaled.floor()
         level = lower + (torch.rand(scaled.shape, generator=gen, device=x.device) < (scaled - lower)).float()

@@ -54,9 +54,10 @@ class TernGradCodec(Codec):
         if self.options.clip > 0 and x.numel() > 1:
             bound = self.options.clip * x.std()
             x = x.clamp(-bound, bound)
-        scale = x.abs().max().reshape(1)
+        magnitude = x.abs()  # once: both the scale and the rounding read it
+        scale = magnitude.max().reshape(1)
         gen = seeded_generator(self.options.seed, self.rank, step, key, x.device)
-        prob = x.abs() / scale.clamp_min(torch.finfo(torch.float32).tiny)
+        prob = magnitude / scale.clamp_min(torch.finfo(torch.float32).tiny)
         keep = torch.rand(x.shape, generator=gen, device=x.device) < prob
         tern = torch.sign(x).to(torch.int32) * keep
         enc = EncodeResult([scale, pack_digits(tern + 1, 3)])
