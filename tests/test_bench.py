@@ -1717,3 +1717,98 @@ def test_tta_curves_keep_the_last_configuration_of_a_codec():
     curves, warnings = tta.accuracy_curves(rows, "cifar10")
     assert curves["topk"]["final_metric"] == pytest.approx(0.7) and curves["topk"]["seeds"] == [0]
     assert any("runs of 2 configurations; the last one's (1 run(s)) used" in w for w in warnings)
+
+
+# --------------------------------------------------------------------------------------------------
+# score: a stand-in recipe whose `main` reads its "checkpoint" (JSON: the accuracy on 5,000 test
+# images and on all of them) and the test-set size its saved configuration and the command line
+# give, and records each call
+SCORE_RECIPE = """
+import json, sys
+from types import SimpleNamespace
+
+def main(args):
+    assert args[0] == "validate" and "--trainer.logger" in args and "--trainer.devices" in args
+    opts = dict(zip(args[1::2], args[2::2]))
+    subset = json.loads(open(opts["--config"]).read())["val_subset"]
+    subset = opts.get("--data.val_subset", subset)
+    weights = json.loads(open(opts["--ckpt_path"]).read())
+    with open(weights["calls"], "a") as f:
+        f.write(opts["--ckpt_path"] + " " + str(subset) + "\\n")
+    acc = weights["all"] if subset == "null" else weights["half"]
+    return SimpleNamespace(trainer=SimpleNamespace(callback_metrics={"val/acc": acc, "val/loss": 1.0}))
+"""
+
+
+def _scored_run(runs: Path, codec: str, seed: int, half: float, full: float, calls: Path) -> None:
+    version = runs / f"cifar10-{codec}-seed{seed}.cwd" / "lightning_logs" / "resnet_cifar10" / "version_0"
+    (version / "checkpoints").mkdir(parents=True)
+    (version / "config.yaml").write_text(json.dumps({"val_subset": 5000}))  # JSON is YAML
+    for step, acc in ((390, 0.1), (781, half)):  # an earlier checkpoint is not the final one
+        weights = {"half": acc, "all": full if step == 781 else 0.1, "calls": str(calls)}
+        (version / "checkpoints" / f"epoch=0-step={step}.ckpt").write_text(json.dumps(weights))
+    (version / "checkpoints" / "last.ckpt").write_text("a copy, never read")
+
+
+def test_score_finds_a_runs_final_checkpoint_beside_its_configuration(tmp_path):
+    from lightning_gradcomp.bench.score import find_checkpoint
+
+    _scored_run(tmp_path, "none", 0, 0.6, 0.61, tmp_path / "calls")
+    run = tmp_path / "cifar10-none-seed0.cwd"
+    ckpt, config = find_checkpoint(run, 781)
+    assert ckpt.name == "epoch=0-step=781.ckpt" and config.name == "config.yaml"
+    assert find_checkpoint(run, 390)[0].name == "epoch=0-step=390.ckpt"  # the run's own last step
+    assert find_checkpoint(run, None)[0].name == "epoch=0-step=781.ckpt"  # else the highest step
+    (config).unlink()
+    assert find_checkpoint(run, 781) is None  # no configuration, nothing to score it with
+
+
+def test_score_checks_each_checkpoint_then_scores_it_on_every_image_paired_with_none(tmp_path, capsys):
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "resnet_cifar10.py").write_text(SCORE_RECIPE)
+    acc_dir, calls = tmp_path / "acc", tmp_path / "calls"
+    runs = acc_dir / "runs"
+    # (codec, seed): recorded accuracy on 5,000 images, its checkpoint's on 5,000 and on all
+    runs_made = {
+        ("none", 0): (0.60, 0.60, 0.62),
+        ("none", 1): (0.62, 0.62, 0.61),
+        ("topk", 0): (0.58, 0.58, 0.615),
+        ("topk", 1): (0.61, 0.61, 0.60),
+        ("topk", 2): (0.59, 0.55, 0.50),  # its checkpoint no longer gives the recorded number
+    }
+    rows = []
+    for (codec, seed), (recorded, half, full) in runs_made.items():
+        _scored_run(runs, codec, seed, half, full, calls)
+        rows.append({"task": "cifar10", "codec": codec, "seed": seed, "status": "ok", "metric": recorded})
+        rows[-1].update({"metric_name": "val/acc", "steps": 781, "machine": "M"})
+    rows.append({"task": "cifar10", "codec": "none", "seed": 3, "status": "ok", "metric": 0.6, "machine": "M"})
+    rows.append({"task": "cifar10", "codec": "fp16", "seed": 0, "status": "failed (exit 1)", "machine": "M"})
+    (acc_dir / "accuracy.json").write_text(json.dumps({"rows": rows}))
+    out = tmp_path / "score"
+    args = ["score", "--accuracy", str(acc_dir / "accuracy.json"), "--recipes-dir", str(recipes)]
+    args += ["--recipe-args", "--data.val_subset null", "--out", str(out)]
+    assert bench_main([*args, "--seeds", "0,1,2,3"]) == 1  # seed 2 did not reproduce, seed 3 has no checkpoint
+    data = json.loads((out / "score.json").read_text())
+    got = {(r["codec"], r["seed"]): r for r in data["rows"]}
+    assert got[("topk", 0)]["status"] == "ok" and got[("topk", 0)]["reproduced"] is True
+    assert got[("topk", 0)]["metric_check"] == 0.58 and got[("topk", 0)]["metric_scored"] == 0.615
+    assert got[("topk", 0)]["step"] == 781 and got[("topk", 0)]["checkpoint"].endswith("step=781.ckpt")
+    assert got[("topk", 2)]["status"].startswith("not reproduced") and got[("topk", 2)]["reproduced"] is False
+    assert got[("none", 3)]["status"].startswith("no checkpoint")
+    assert ("fp16", 0) not in got  # a failed run has no final weights to score
+    # both validations ran on the final checkpoint: first the saved configuration, then every image
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 10 and all(line.split()[0].endswith("step=781.ckpt") for line in lines)
+    assert [line.split()[1] for line in lines[:2]] == ["5000", "null"]
+    summary = {s["codec"]: s for s in data["summary"]}
+    # topk vs none, paired by seed on every image: -0.5 and -1.0 points; on the recorded half: -2, -1
+    assert summary["topk"]["vs_none_scored"] == pytest.approx(-0.0075)
+    assert summary["topk"]["vs_none_scored_se"] == pytest.approx(0.0025)
+    assert summary["topk"]["vs_none_recorded"] == pytest.approx(-0.015)
+    assert summary["topk"]["seeds"] == "0,1" and summary["none"]["vs_none_scored"] is None
+    # --resume keeps what was scored; only the runs that failed are tried again
+    assert bench_main([*args, "--seeds", "0,1,2", "--resume"]) == 1
+    assert len(calls.read_text().splitlines()) == 12
+    with pytest.raises(SystemExit, match="no run with status ok"):
+        bench_main([*args, "--codecs", "lgc"])

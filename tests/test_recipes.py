@@ -291,6 +291,23 @@ def test_resnet_cifar10_and_resume(runs):
     assert [p["step"] for p in resumed["history"]] == [3, 5]
 
 
+def test_a_runs_final_checkpoint_scores_its_own_accuracy_again_and_on_another_test_set(runs):
+    """``bench score``'s validation: the recipe's ``validate`` on the run's saved configuration gives
+    the accuracy the run recorded, to the last digit; an argument on top changes the test set. Both
+    in the run's working directory, one after the other, as ``score`` runs them."""
+    from lightning_gradcomp.bench.score import find_checkpoint, validate_checkpoint
+
+    r = runs["cifar"]
+    ckpt, config = find_checkpoint(r["tb"], 3)
+    script = REPO / "recipes" / "resnet_cifar10.py"
+    again = validate_checkpoint(script, config, ckpt, [], cwd=r["tmp"], timeout=300)
+    assert again["val/acc"] == r["json"]["metrics"]["val/acc"]
+    fewer = validate_checkpoint(script, config, ckpt, ["--data.val_subset", "5"], cwd=r["tmp"], timeout=300)
+    # six test images in the run, five drawn here: the accuracy is a multiple of a fifth
+    assert (fewer["val/acc"] * 5) == pytest.approx(round(fewer["val/acc"] * 5))
+    assert (again["val/acc"] * 6) == pytest.approx(round(again["val/acc"] * 6))
+
+
 def test_tensorboard_tags_and_hyperparameters(runs):
     run_dir = runs["digits"]["tb"] / "digits_quickstart" / "version_0"
     s = scalars(run_dir)

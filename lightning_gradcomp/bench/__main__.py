@@ -1,4 +1,5 @@
-"""``python -m lightning_gradcomp.bench {link,shaped,codecs,codes,accuracy,pcaquant,pcabasis,tta,memory,plot} ...``."""
+"""``python -m lightning_gradcomp.bench VERB ...``, VERB one of link, shaped, codecs, codes, accuracy, score,
+pcaquant, pcabasis, tta, memory, plot."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ COMMANDS = {
     "shaped": "one recipe run across shaped hosts, one rank each, the link's rate changed mid-run if asked",
     "codecs": "encode + decode cost of each codec on real gradients, one process",
     "accuracy": "task metric against bytes sent: the recipes with a fixed budget per codec and seed",
+    "score": "the final checkpoints of accuracy runs scored again, e.g. on every test image",
     "codes": "what a code of lgc's shared-support values carries at equal bytes, learned or not, on real gradients",
     "pcaquant": "how much of the gradient gradiveq's coefficient quantization loses, per scale and rounding",
     "pcabasis": "how much of the summed gradient gradiveq's basis captures, by the rank or step it is fitted on",
