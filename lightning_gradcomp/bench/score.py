@@ -11,7 +11,10 @@ evaluation changes, so nothing is trained again.
 Each checkpoint is first scored with the saved configuration alone, which must give the final
 metric the run recorded, to the last digit (``reproduced``; ``--no-check`` skips this): a
 checkpoint or a configuration that no longer gives the run's own number is reported, and its new
-score is not used in the summary.
+score is not used in the summary. One process sees every image once; a run validated on several
+ranks saw each image once too only when their number divides the images (Lightning's distributed
+sampler pads the last batch of the others with repeated images), so a run on an uneven split is
+reported as not reproduced, and its score on one process is the exact one.
 
 Written: ``OUT/score.json`` and ``OUT/score.csv``, a row a run, and a summary per (task, codec,
 machine): the new metric's mean over the seeds, and its difference to ``none`` on the same seed
