@@ -54,6 +54,8 @@ __all__ = [
     "main",
     "normalize_recipe_args",
     "recipe_option",
+    "run_dir",
+    "run_name",
     "run_recipe",
     "summarize",
 ]
@@ -265,13 +267,24 @@ def config_key(row: dict[str, Any]) -> tuple:
     )
 
 
+def run_name(task: str, codec: str, seed: int) -> str:
+    """What a run's files under ``OUT/runs`` are named after: ``<task>-<codec>-seed<S>``."""
+    return f"{task}-{codec}-seed{seed}"
+
+
+def run_dir(out: Path, task: str, codec: str, seed: int) -> Path:
+    """The working directory of a run made with ``--jobs`` above 1: its logs, the configuration
+    LightningCLI saved and its checkpoints (``score`` reads them there)."""
+    return Path(out) / "runs" / f"{run_name(task, codec, seed)}.cwd"
+
+
 def run_recipe(task: str, codec: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One recipe run as a subprocess; its row, with the configuration that :func:`config_key` reads."""
     script = (Path(args.recipes_dir or paths.recipes_dir()) / TASKS[task][0]).resolve()
     data_dir = args.cifar_data_dir if task == "cifar10" else args.camvid_data_dir
     if data_dir and Path(data_dir).exists():
         data_dir = str(Path(data_dir).resolve())
-    name = f"{task}-{codec}-seed{seed}"
+    name = run_name(task, codec, seed)
     metrics = (out / "runs" / f"{name}.json").resolve()
     metrics.parent.mkdir(parents=True, exist_ok=True)
     if metrics.exists():
@@ -333,7 +346,7 @@ def run_recipe(task: str, codec: str, seed: int, args: argparse.Namespace, out: 
     # checkpoints (relative to it in the recipes' configs) must not meet
     cwd = None
     if args.jobs > 1:
-        cwd = out / "runs" / f"{name}.cwd"
+        cwd = run_dir(out, task, codec, seed)
         cwd.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     log = out / "runs" / f"{name}.log"

@@ -29,6 +29,7 @@ import json
 import math
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_gradcomp.bench import paths
-from lightning_gradcomp.bench.accuracy import TASKS, parse_seeds
+from lightning_gradcomp.bench.accuracy import TASKS, parse_seeds, run_dir
 from lightning_gradcomp.bench.results import Column, format_table, read_json, write_csv, write_json
 
 __all__ = ["COLUMNS", "SUMMARY_COLUMNS", "add_arguments", "find_checkpoint", "main", "summarize", "validate_checkpoint"]
@@ -93,13 +94,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=str(paths.results_dir("score")), help="output directory (default: %(default)s)")
 
 
-def find_checkpoint(run_dir: Path, steps: int | None = None) -> tuple[Path, Path] | None:
+def find_checkpoint(workdir: Path, steps: int | None = None) -> tuple[Path, Path] | None:
     """``(checkpoint, config.yaml)`` of a run's final checkpoint under its working directory: the
     checkpoint named after the run's last step (``...step=N.ckpt``), else the one of the highest
     step; ``last.ckpt`` is a copy and is not read. ``None`` when there is none with a saved
     configuration beside its ``checkpoints`` folder."""
     found = []
-    for ckpt in run_dir.glob("**/checkpoints/*.ckpt"):
+    for ckpt in workdir.glob("**/checkpoints/*.ckpt"):
         match = _STEP.search(ckpt.name)
         config = ckpt.parent.parent / "config.yaml"
         if match and config.is_file():
@@ -153,8 +154,8 @@ def _key(row: dict[str, Any]) -> tuple:
 
 
 def _runs(args: argparse.Namespace) -> list[tuple[dict[str, Any], Path]]:
-    """The accuracy rows asked for, each with its file's ``runs`` folder; of two rows of one (task,
-    codec, seed, machine) the later file's counts."""
+    """The accuracy rows asked for, each with its file's folder (the ``--out`` of its runs); of two
+    rows of one (task, codec, seed, machine) the later file's counts."""
     tasks = set(args.tasks.split(",")) if args.tasks else None
     codecs = set(args.codecs.split(",")) if args.codecs else None
     seeds = set(parse_seeds(args.seeds) or []) or None
@@ -167,18 +168,16 @@ def _runs(args: argparse.Namespace) -> list[tuple[dict[str, Any], Path]]:
                 continue
             if seeds and row.get("seed") not in seeds:
                 continue
-            rows[_key(row)] = (row, path.resolve().parent / "runs")
+            rows[_key(row)] = (row, path.resolve().parent)
     return list(rows.values())
 
 
 def _mean_se(values: list[float]) -> tuple[float | None, float | None]:
+    """The mean and its standard error (the sample standard deviation over the square root of n)."""
     if not values:
         return None, None
-    mean = sum(values) / len(values)
-    if len(values) < 2:
-        return mean, None
-    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
-    return mean, math.sqrt(var / len(values))
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+    return statistics.fmean(values), se
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -214,8 +213,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _score(row: dict[str, Any], runs: Path, args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
-    name = f"{row['task']}-{row['codec']}-seed{row['seed']}"
+def _score(row: dict[str, Any], accuracy_dir: Path, args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "task": row["task"],
         "codec": row["codec"],
@@ -225,17 +223,17 @@ def _score(row: dict[str, Any], runs: Path, args: argparse.Namespace, extra: lis
         "metric": row.get("metric"),
         "recipe_args": shlex.join(extra),
     }
-    run_dir = runs / f"{name}.cwd"
-    found = find_checkpoint(run_dir, row.get("steps")) if run_dir.is_dir() else None
+    workdir = run_dir(accuracy_dir, row["task"], row["codec"], row["seed"])
+    found = find_checkpoint(workdir, row.get("steps")) if workdir.is_dir() else None
     if found is None:
-        out["status"] = f"no checkpoint with a saved configuration under {run_dir}"
+        out["status"] = f"no checkpoint with a saved configuration under {workdir}"
         return out
     ckpt, config = found
     out["checkpoint"], out["step"] = str(ckpt), int(_STEP.search(ckpt.name).group(1))
     script = (Path(args.recipes_dir or paths.recipes_dir()) / TASKS[row["task"]][0]).resolve()
     t0 = time.perf_counter()
     try:
-        kwargs = {"python": args.python, "cwd": run_dir, "timeout": args.timeout}
+        kwargs = {"python": args.python, "cwd": workdir, "timeout": args.timeout}
         if not args.no_check:
             out["metric_check"] = _metric(validate_checkpoint(script, config, ckpt, [], **kwargs), row)
             out["reproduced"] = out["metric_check"] == row.get("metric")
@@ -266,7 +264,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("score: no run with status ok matches --tasks/--codecs/--seeds in " + ", ".join(args.accuracy))
     meta = {"benchmark": "score", "accuracy": args.accuracy, "recipe_args": args.recipe_args, "argv": args.argv}
     asked = []
-    for row, runs_dir in runs:
+    for row, accuracy_dir in runs:
         key = _key(row) + (shlex.join(extra),)
         asked.append(key)
         kept = done.get(key)
@@ -274,7 +272,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"score: {row['task']} {row['codec']} seed {row['seed']}: scored before, kept", file=sys.stderr)
             continue
         print(f"score: {row['task']} {row['codec']} seed {row['seed']} ...", file=sys.stderr, flush=True)
-        done[key] = _score(row, runs_dir, args, extra)
+        done[key] = _score(row, accuracy_dir, args, extra)
         rows = list(done.values())
         write_json(previous, {"meta": meta, "rows": rows, "summary": summarize(rows)})
     rows = list(done.values())
