@@ -1810,5 +1810,7 @@ def test_score_checks_each_checkpoint_then_scores_it_on_every_image_paired_with_
     # --resume keeps what was scored; only the runs that failed are tried again
     assert bench_main([*args, "--seeds", "0,1,2", "--resume"]) == 1
     assert len(calls.read_text().splitlines()) == 12
+    argv = json.loads((out / "score.json").read_text())["meta"]["argv"]
+    assert argv.count("+") == 1 and argv.count("0,1,2,3") == 1 and argv.count("0,1,2") == 1  # both commands kept
     with pytest.raises(SystemExit, match="no run with status ok"):
         bench_main([*args, "--codecs", "lgc"])

@@ -257,12 +257,15 @@ def main(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     previous = out_dir / "score.json"
     done: dict[tuple, dict[str, Any]] = {}
+    argv = list(args.argv)
     if args.resume and previous.exists():
-        done = {_key(r) + (r.get("recipe_args"),): r for r in read_json(previous).get("rows", [])}
+        old = read_json(previous)
+        done = {_key(r) + (r.get("recipe_args"),): r for r in old.get("rows", [])}
+        argv = old.get("meta", {}).get("argv", []) + ["+"] + argv  # every command that wrote the file, as accuracy
     runs = _runs(args)
     if not runs:
         raise SystemExit("score: no run with status ok matches --tasks/--codecs/--seeds in " + ", ".join(args.accuracy))
-    meta = {"benchmark": "score", "accuracy": args.accuracy, "recipe_args": args.recipe_args, "argv": args.argv}
+    meta = {"benchmark": "score", "accuracy": args.accuracy, "recipe_args": args.recipe_args, "argv": argv}
     asked = []
     for row, accuracy_dir in runs:
         key = _key(row) + (shlex.join(extra),)
