@@ -38,7 +38,15 @@ from pathlib import Path
 from typing import Any
 
 from lightning_gradcomp.bench import paths
-from lightning_gradcomp.bench.results import Column, format_table, machine_info, machine_key, write_csv, write_json
+from lightning_gradcomp.bench.results import (
+    Column,
+    appended_argv,
+    format_table,
+    machine_info,
+    machine_key,
+    write_csv,
+    write_json,
+)
 
 __all__ = [
     "COLUMNS",
@@ -511,7 +519,7 @@ def main(args: argparse.Namespace) -> int:
     if args.resume and previous.exists():
         old = json.loads(previous.read_text())
         done = {config_key(r): r for r in fill_older_rows(old.get("rows", []), old.get("meta", {}))}
-        argv = old.get("meta", {}).get("argv", []) + ["+"] + list(argv)
+        argv = appended_argv(old, argv)
     meta = {
         "benchmark": "accuracy",
         "max_steps": max_steps,

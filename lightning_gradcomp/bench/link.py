@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_gradcomp.bench import netns, paths
-from lightning_gradcomp.bench.results import Column, format_table, machine_info, write_csv, write_json
+from lightning_gradcomp.bench.results import Column, appended_argv, format_table, machine_info, write_csv, write_json
 
 __all__ = [
     "COLUMNS",
@@ -356,7 +356,7 @@ def main(args: argparse.Namespace) -> int:
     if args.append and previous.exists():
         old_data = json.loads(previous.read_text())
         configs, rows = old_data.get("runs", []), old_data.get("rows", [])
-        args.argv = old_data.get("meta", {}).get("argv", []) + ["+"] + getattr(args, "argv", [])
+        args.argv = appended_argv(old_data, getattr(args, "argv", []))
     try:
         for h in hosts:
             for rate in rates:

@@ -13,6 +13,7 @@ from typing import Any
 
 __all__ = [
     "Column",
+    "appended_argv",
     "format_table",
     "machine_key",
     "machine_info",
@@ -64,6 +65,13 @@ def write_json(path: Path, payload: Any) -> Path:
 
 def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text())
+
+
+def appended_argv(previous: dict[str, Any], argv: Sequence[str]) -> list[str]:
+    """The commands that wrote a results file, for its ``meta.argv``: those recorded in
+    ``previous`` (the file's JSON, written before this command resumed or appended to it), ``+``,
+    then ``argv`` (``plot`` splits them at the ``+``)."""
+    return list(previous.get("meta", {}).get("argv", [])) + ["+"] + list(argv)
 
 
 def write_csv(path: Path, rows: Sequence[dict[str, Any]], keys: Sequence[str] | None = None) -> Path:

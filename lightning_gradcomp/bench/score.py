@@ -39,7 +39,7 @@ from typing import Any
 
 from lightning_gradcomp.bench import paths
 from lightning_gradcomp.bench.accuracy import TASKS, parse_seeds, run_dir
-from lightning_gradcomp.bench.results import Column, format_table, read_json, write_csv, write_json
+from lightning_gradcomp.bench.results import Column, appended_argv, format_table, read_json, write_csv, write_json
 
 __all__ = ["COLUMNS", "SUMMARY_COLUMNS", "add_arguments", "find_checkpoint", "main", "summarize", "validate_checkpoint"]
 
@@ -261,7 +261,7 @@ def main(args: argparse.Namespace) -> int:
     if args.resume and previous.exists():
         old = read_json(previous)
         done = {_key(r) + (r.get("recipe_args"),): r for r in old.get("rows", [])}
-        argv = old.get("meta", {}).get("argv", []) + ["+"] + argv  # every command that wrote the file, as accuracy
+        argv = appended_argv(old, argv)
     runs = _runs(args)
     if not runs:
         raise SystemExit("score: no run with status ok matches --tasks/--codecs/--seeds in " + ", ".join(args.accuracy))
